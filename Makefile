@@ -1,0 +1,38 @@
+# The README's commands. Each creates or reuses .venv and installs the pinned dependencies.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# the default run skips what is marked slow; -n is not used: 2 cores, JAX already uses both
+PYTEST := $(PY) -m pytest -q
+
+.PHONY: demo test test-all lint format bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m moelab demo
+
+test: $(STAMP)
+	$(PYTEST) -m "not slow"
+
+test-all: $(STAMP)
+	$(PYTEST)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(PY) -m ruff format src tests benchmarks
+	$(PY) -m ruff check --fix src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

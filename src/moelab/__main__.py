@@ -1,0 +1,5 @@
+import sys
+
+from moelab.cli import main
+
+sys.exit(main())

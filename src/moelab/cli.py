@@ -1,0 +1,137 @@
+"""`moelab ...`: the command line. Every command that takes a config takes ``--set`` overrides.
+
+A config or input the user can fix is refused with one line per problem and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from moelab.config import ConfigError, load_config, to_dict
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; printed as one line, exit code 2."""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="a preset name (see `moelab presets`) or a YAML file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one field, for example --set model.top_k=4 (repeatable)",
+    )
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from moelab import accounting
+
+    cfg = load_config(args.config, args.overrides)
+    if args.tokens is not None and (args.steps is not None or args.batch_tokens is not None):
+        raise UsageError("--tokens: give either --tokens or --steps with --batch-tokens, not both")
+    if args.tokens is not None:
+        tokens = args.tokens
+    elif args.steps is not None or args.batch_tokens is not None:
+        steps = args.steps if args.steps is not None else cfg.train.steps
+        batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg.train.batch_size * cfg.model.seq_len
+        tokens = steps * batch_tokens
+    else:
+        tokens = accounting.run_tokens(cfg)
+    if tokens <= 0:
+        raise UsageError(f"--tokens: must be > 0, got {tokens:g}")
+    out = accounting.count(cfg).train(tokens)
+    out["config"] = cfg.name or args.config
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    h = accounting.human
+    rows = [
+        ("total parameters", h(out["total_params"])),
+        ("  without embeddings and head", h(out["total_params_nonembedding"])),
+        ("active parameters (Marin)", h(out["active_params"])),
+        ("  with embeddings and head", h(out["active_params_with_embeddings"])),
+        ("norm parameters (not counted)", h(out["norm_params"])),
+        ("forward FLOPs / token", f"{out['forward_flops_per_token']:.4g}"),
+        ("  without LM head", f"{out['forward_flops_per_token_without_lm_head']:.4g}"),
+        ("tokens", f"{out['tokens']:.4g}"),
+        ("training FLOPs (3 x forward)", f"{out['train_flops']:.4g}"),
+        ("  without LM head", f"{out['train_flops_without_lm_head']:.4g}"),
+        ("6 N D", f"{out['six_n_d']:.4g}"),
+    ]
+    print(f"{out['config']}")
+    for name, value in rows:
+        print(f"  {name:<32} {value:>12}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from moelab.config import config_hash
+
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps({"hash": config_hash(cfg), **to_dict(cfg)}, indent=1))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from moelab import accounting
+    from moelab.presets import PRESETS
+
+    for name in PRESETS:
+        a = accounting.count(load_config(name))
+        print(f"{name:<22} total {accounting.human(a.total_params):>8}  active {accounting.human(a.active_params):>8}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moelab.demo import run_demo
+
+    return run_demo(steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelab", description="An open laboratory for MoE training in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("flops", help="parameters and FLOPs of a config, by Marin's definitions")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, help="training steps (default: the config's train.steps)")
+    p.add_argument("--batch-tokens", type=int, help="tokens per step (default: batch_size x seq_len)")
+    p.add_argument("--tokens", type=float, help="total training tokens, instead of --steps/--batch-tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("config", help="print a validated config as JSON, with its hash")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("presets", help="list the named configs")
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("demo", help="the accounting of Marin's run and a pass through the tiny MoE")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps on stdlib text after the first pass")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"moelab: {line}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"moelab: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

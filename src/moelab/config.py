@@ -1,0 +1,441 @@
+"""One frozen configuration per run: model, train, data and mesh sections.
+
+Built from a preset name, a YAML file, a dict or Python, then ``--set a.b=value`` overrides,
+and validated before any compute; every problem is one line that names its field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+ROUTERS = ("softmax", "sigmoid")
+BIAS_UPDATES = ("none", "quantile", "sign")
+DISPATCHES = ("dropless", "capacity", "spill")
+DROP_ORDERS = ("position", "score")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A config the user wrote that cannot run. ``errors`` holds one line per problem."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # shape
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # kv heads of global layers (of every layer when there is no window)
+    n_kv_heads_local: int = 0  # kv heads of sliding-window layers; 0 = n_kv_heads
+    head_dim: int = 0  # 0 = d_model // n_heads
+    vocab_size: int = 2048
+    seq_len: int = 128
+    # attention
+    rope_fraction: float = 1.0  # fraction of head_dim that is rotated (1.0 or 0.5 in practice)
+    rope_theta: float = 10000.0
+    sliding_window: int = 0  # 0 = every layer global
+    global_every: int = 4  # with a window: every n-th layer (and the last) is global
+    # experts
+    n_routed: int = 8
+    top_k: int = 2
+    expert_dim: int = 64
+    n_shared: int = 1
+    shared_dim: int = 128
+    latent_dim: int = 0  # 0 = routed experts on the full width
+    # router
+    router: str = "softmax"
+    bias_update: str = "none"
+    bias_rate: float = 1e-3  # step of the sign update
+    routed_scale: float = 1.0  # sigmoid router: routed gates sum to this
+    aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    logit_z_loss: float = 1e-4
+    # dispatch
+    dispatch: str = "dropless"
+    eval_dispatch: str = ""  # "" = same as dispatch
+    capacity_factor: float = 1.25
+    drop_order: str = "position"
+    capacity_group: int = 0  # tokens per capacity group; 0 = the whole batch is one group
+    # numerics
+    norm_eps: float = 1e-6
+    compute_dtype: str = "float32"
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads_local(self) -> int:
+        return self.n_kv_heads_local or self.n_kv_heads
+
+    @property
+    def kv_heads_alloc(self) -> int:
+        """k/v heads allocated in every layer (Marin counts the local figure for all layers)."""
+        return max(self.n_kv_heads, self.kv_heads_local) if self.sliding_window else self.n_kv_heads
+
+    @property
+    def expert_in_dim(self) -> int:
+        return self.latent_dim or self.d_model
+
+    def is_global(self, layer: int) -> bool:
+        if not self.sliding_window:
+            return True
+        last = layer == self.n_layers - 1
+        return last or (self.global_every > 0 and (layer + 1) % self.global_every == 0)
+
+    def layer_kv_heads(self, layer: int) -> int:
+        if not self.sliding_window:
+            return self.n_kv_heads
+        return self.n_kv_heads if self.is_global(layer) else self.kv_heads_local
+
+    def layer_span(self, layer: int) -> int:
+        """Keys a query attends to at most: the window on local layers, the sequence otherwise."""
+        return self.seq_len if self.is_global(layer) else min(self.sliding_window, self.seq_len)
+
+    def capacity(self, group_tokens: int) -> int:
+        """Slots per expert per group: ceil(CF * T * k / E)."""
+        return int(math.ceil(self.capacity_factor * group_tokens * self.top_k / self.n_routed))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    seed: int = 0
+    optimizer: str = "adamw"
+    lr: float | str = 3e-3  # a number, or "auto" for Marin's compute-scaled heuristic
+    warmup_frac: float = 0.01
+    min_lr_ratio: float = 0.05
+    schedule: str = "linear"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: tuple[str, ...] = ("stdlib",)
+    tokenizer: str = ""  # path to a tokenizer.json; "" = train a byte-level BPE
+    text_field: str = "text"
+    held_out_fraction: float = 0.02
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    expert: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    name: str = ""
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
+
+
+# ---------------------------------------------------------------- building from plain data
+
+
+def _type_name(tp: Any) -> str:
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "a list of strings"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Return (ok, value converted to tp). Ints widen to floats; nothing else is guessed."""
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (inner, _) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        out = []
+        for v in value:
+            ok, v2 = _coerce(v, inner)
+            if not ok:
+                return False, value
+            out.append(v2)
+        return True, tuple(out)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v2 = _coerce(value, arg)
+            if ok:
+                return True, v2
+        return False, value
+    raise TypeError(f"unsupported config field type {tp}")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def config_from_dict(data: dict, *, source: str = "config") -> Config:
+    """Build and validate a Config from nested plain data; raise ConfigError listing every problem."""
+    errors: list[str] = []
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: expected a mapping of sections, got {_describe(data)}"])
+    sections: dict[str, Any] = {}
+    for key in data:
+        if key not in SECTIONS and key != "name":
+            errors.append(f"{key}: unknown key in {source} (known: name, {', '.join(SECTIONS)})")
+    for name, cls in SECTIONS.items():
+        raw = data.get(name, {}) or {}
+        if not isinstance(raw, dict):
+            errors.append(f"{name}: expected a mapping, got {_describe(raw)}")
+            continue
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in raw.items():
+            if key not in known:
+                errors.append(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+                continue
+            ok, conv = _coerce(value, hints[key])
+            if not ok:
+                errors.append(f"{name}.{key}: expected {_type_name(hints[key])}, got {_describe(value)}")
+                continue
+            kwargs[key] = conv
+        sections[name] = cls(**kwargs)
+    cfg_name = data.get("name", "")
+    if not isinstance(cfg_name, str):
+        errors.append(f"name: expected a string, got {_describe(cfg_name)}")
+        cfg_name = ""
+    if errors:
+        raise ConfigError(errors)
+    cfg = Config(**sections, name=cfg_name)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    out = dataclasses.asdict(cfg)
+    out["data"]["sources"] = list(out["data"]["sources"])
+    return out
+
+
+def config_hash(cfg: Config) -> str:
+    blob = json.dumps(to_dict(cfg), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError([f"--set {item}: expected section.key=value, for example model.d_model=256"])
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise ConfigError([f"--set {key}: expected section.key, for example model.top_k"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        if section not in SECTIONS:
+            raise ConfigError([f"{section}.{key}: unknown section {section!r} (known: {', '.join(SECTIONS)})"])
+        data.setdefault(section, {})[key] = value
+    return data
+
+
+def load_config(spec: "str | Path | dict | Config", overrides: Sequence[str] = ()) -> Config:
+    """A preset name, a YAML path, a dict or a Config, then ``section.key=value`` overrides."""
+    from moelab.presets import PRESETS, preset_dict
+
+    if isinstance(spec, Config):
+        data, source = to_dict(spec), "config"
+    elif isinstance(spec, dict):
+        data, source = spec, "config"
+    else:
+        spec = str(spec)
+        if spec in PRESETS:
+            data, source = preset_dict(spec), f"preset {spec}"
+        elif spec.endswith((".yaml", ".yml", ".json")) or Path(spec).exists():
+            path = Path(spec)
+            if not path.is_file():
+                raise ConfigError([f"{spec}: no such config file (or preset: {', '.join(PRESETS)})"])
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f" line {mark.line + 1}" if mark else ""
+                raise ConfigError([f"{spec}:{where} is not valid YAML; fix the syntax"]) from None
+            source = spec
+        else:
+            raise ConfigError([f"{spec}: not a preset ({', '.join(PRESETS)}) and not a YAML file"])
+    return config_from_dict(apply_overrides(data, overrides), source=source)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_model(m: ModelConfig) -> list[str]:
+    e: list[str] = []
+
+    def positive(*names: str) -> None:
+        for n in names:
+            if getattr(m, n) <= 0:
+                e.append(f"model.{n}: must be > 0, got {getattr(m, n)}")
+
+    def non_negative(*names: str) -> None:
+        for n in names:
+            if getattr(m, n) < 0:
+                e.append(f"model.{n}: must be >= 0, got {getattr(m, n)}")
+
+    def one_of(name: str, allowed: Sequence[str]) -> None:
+        if getattr(m, name) not in allowed:
+            e.append(f"model.{name}: must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+
+    positive("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
+    positive("n_routed", "top_k", "expert_dim", "norm_eps", "rope_theta", "routed_scale")
+    non_negative("n_kv_heads_local", "head_dim", "sliding_window", "global_every", "n_shared")
+    non_negative("shared_dim", "latent_dim", "capacity_group", "aux_loss_coef", "router_z_loss_coef")
+    non_negative("logit_z_loss", "bias_rate")
+    one_of("router", ROUTERS)
+    one_of("bias_update", BIAS_UPDATES)
+    one_of("dispatch", DISPATCHES)
+    one_of("drop_order", DROP_ORDERS)
+    one_of("compute_dtype", DTYPES)
+    if m.eval_dispatch not in ("",) + DISPATCHES:
+        e.append(f"model.eval_dispatch: must be empty or one of {', '.join(DISPATCHES)}, got {m.eval_dispatch!r}")
+    if m.head_dim == 0 and m.n_heads > 0 and m.d_model % m.n_heads:
+        e.append(f"model.n_heads: {m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim")
+    if m.n_heads > 0 and m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads:
+        e.append(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+    if m.n_kv_heads_local > 0 and m.n_heads % m.n_kv_heads_local:
+        e.append(f"model.n_kv_heads_local: {m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}")
+    if m.sliding_window and m.n_kv_heads > 0:
+        lo, hi = sorted((m.n_kv_heads, m.kv_heads_local))
+        if lo > 0 and hi % lo:
+            e.append(f"model.n_kv_heads_local: {m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another")
+    if m.n_heads > 0 and m.d_model > 0 and m.head_size % 2:
+        e.append(f"model.head_dim: head size {m.head_size} must be even for rotary embeddings")
+    if not 0.0 < m.rope_fraction <= 1.0:
+        e.append(f"model.rope_fraction: must be in (0, 1], got {m.rope_fraction}")
+    elif m.n_heads > 0 and m.d_model > 0 and int(m.head_size * m.rope_fraction) % 2:
+        e.append(f"model.rope_fraction: {m.rope_fraction} of head size {m.head_size} is not an even number of dims")
+    if m.n_routed > 0 and m.top_k > m.n_routed:
+        e.append(f"model.top_k: {m.top_k} is larger than model.n_routed={m.n_routed}")
+    if m.capacity_factor <= 0:
+        e.append(f"model.capacity_factor: must be > 0, got {m.capacity_factor}")
+    if m.latent_dim > m.d_model:
+        e.append(f"model.latent_dim: {m.latent_dim} is larger than model.d_model={m.d_model}")
+    if m.sliding_window > m.seq_len:
+        e.append(f"model.sliding_window: {m.sliding_window} is larger than model.seq_len={m.seq_len}")
+    if m.n_shared > 0 and m.shared_dim <= 0:
+        e.append(f"model.shared_dim: must be > 0 when model.n_shared={m.n_shared}")
+    return e
+
+
+def _check_train(t: TrainConfig) -> list[str]:
+    e: list[str] = []
+    for n in ("steps", "batch_size", "log_every"):
+        if getattr(t, n) <= 0:
+            e.append(f"train.{n}: must be > 0, got {getattr(t, n)}")
+    if isinstance(t.lr, str):
+        if t.lr != "auto":
+            e.append(f"train.lr: must be a number or 'auto', got {t.lr!r}")
+    elif t.lr <= 0:
+        e.append(f"train.lr: must be > 0, got {t.lr}")
+    if t.optimizer not in ("adamw", "muon"):
+        e.append(f"train.optimizer: must be adamw or muon, got {t.optimizer!r}")
+    if t.schedule not in ("linear", "wsd", "constant"):
+        e.append(f"train.schedule: must be linear, wsd or constant, got {t.schedule!r}")
+    if not 0.0 <= t.warmup_frac < 1.0:
+        e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    for n in ("weight_decay", "grad_clip"):
+        if getattr(t, n) < 0:
+            e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
+    for n in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, n) < 1.0:
+            e.append(f"train.{n}: must be in [0, 1), got {getattr(t, n)}")
+    return e
+
+
+def _check_data(d: DataConfig) -> list[str]:
+    e: list[str] = []
+    if not d.sources:
+        e.append("data.sources: name at least one source (a path or 'stdlib')")
+    if not 0.0 <= d.held_out_fraction < 1.0:
+        e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
+    return e
+
+
+def _check_mesh(cfg: Config) -> list[str]:
+    e: list[str] = []
+    for n in ("data", "expert"):
+        if getattr(cfg.mesh, n) <= 0:
+            e.append(f"mesh.{n}: must be > 0, got {getattr(cfg.mesh, n)}")
+    if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
+        e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
+    return e
+
+
+def validate(cfg: Config) -> Config:
+    errors = _check_model(cfg.model) + _check_train(cfg.train) + _check_data(cfg.data) + _check_mesh(cfg)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """A validated copy with some fields changed: ``replace(cfg, model={"top_k": 4})``."""
+    data = to_dict(cfg)
+    for name, changes in sections.items():
+        if name == "name":
+            data["name"] = changes
+        else:
+            data[name].update(changes)
+    return config_from_dict(data)

@@ -1,0 +1,92 @@
+"""Building blocks: RMSNorm, rotary embedding, grouped-query attention with an optional window, SwiGLU.
+
+Layers are functions ``f(params, x, ...)`` over plain arrays; nothing holds state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) over the last axis, in fp32, times an optional weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, fraction: float = 1.0, theta: float = 10000.0) -> jax.Array:
+    """Rotate the first ``fraction`` of each head's dims (half-split pairing). x: [b, s, h, hd]."""
+    hd = x.shape[-1]
+    rot = int(hd * fraction)
+    half = rot // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [s, half]
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rot], x32[..., rot:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(seq: int, window: int) -> jax.Array:
+    """Causal mask, limited to the last ``window`` keys (itself included) when window > 0. [s, s]."""
+    i = jnp.arange(seq)[:, None]
+    j = jnp.arange(seq)[None, :]
+    mask = j <= i
+    if window:
+        mask = mask & (i - j < window)
+    return mask
+
+
+def group_kv(w: jax.Array, n_alloc: int, n_used: int) -> jax.Array:
+    """A layer that uses fewer kv heads than are allocated averages them in groups. w: [d, n_alloc*hd].
+
+    Marin allocates the local kv-head count in every layer; averaging the weights (not the
+    outputs) keeps a global layer's cost at its own head count and trains every parameter.
+    """
+    if n_used == n_alloc:
+        return w
+    d = w.shape[0]
+    hd = w.shape[1] // n_alloc
+    return w.reshape(d, n_used, n_alloc // n_used, hd).mean(axis=2).reshape(d, n_used * hd)
+
+
+def attention(
+    p: dict,
+    x: jax.Array,
+    *,
+    n_heads: int,
+    n_kv_alloc: int,
+    n_kv: int,
+    head_dim: int,
+    window: int,
+    rope_fraction: float,
+    rope_theta: float,
+    eps: float,
+) -> jax.Array:
+    """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d]."""
+    b, s, _ = x.shape
+    q = (x @ p["wq"]).reshape(b, s, n_heads, head_dim)
+    k = (x @ group_kv(p["wk"], n_kv_alloc, n_kv)).reshape(b, s, n_kv, head_dim)
+    v = (x @ group_kv(p["wv"], n_kv_alloc, n_kv)).reshape(b, s, n_kv, head_dim)
+    pos = jnp.arange(s)
+    q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta)
+    k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta)
+    g = n_heads // n_kv
+    q = q.reshape(b, s, n_kv, g, head_dim)
+    scores = jnp.einsum("bqkgh,bpkh->bkgqp", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim**-0.5)
+    scores = jnp.where(attention_mask(s, window)[None, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqp,bpkh->bqkgh", probs, v).reshape(b, s, n_heads * head_dim)
+    return out @ p["wo"]
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """silu(x W_gate) * (x W_up) W_down. x: [..., d]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

@@ -1,0 +1,199 @@
+"""The MoE block: shared experts, an optional latent path, and routed experts under three dispatches.
+
+- dropless: sort assignments by expert and run grouped matmuls (``jax.lax.ragged_dot``);
+- capacity: ``ceil(CF * T * k / E)`` slots per expert per group, overflow dropped by position
+  or by lowest router score;
+- spill: as capacity, then each overflowing assignment walks its token's next-ranked experts
+  until one has room.
+Shapes are static and no Python loop runs over experts or tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import ModelConfig
+from moelab.model import router as rt
+from moelab.model.layers import rms_norm, swiglu
+
+
+def expert_ffn(w: dict, buf: jax.Array) -> jax.Array:
+    """Every expert's SwiGLU on its own slots. buf: [e, c, din] -> [e, c, din].
+
+    The one expert computation: capacity, spill and the expert-parallel transports all call it.
+    """
+    gate = jnp.einsum("ecd,edf->ecf", buf, w["w_gate"])
+    up = jnp.einsum("ecd,edf->ecf", buf, w["w_up"])
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w["w_down"])
+
+
+def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed: sort by expert, grouped matmuls, unsort, weight. h: [t, din]."""
+    t, k = idx.shape
+    n_experts = w["w_gate"].shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignment ids grouped by expert
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    xs = h[order // k]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, w["w_gate"], sizes)) * jax.lax.ragged_dot(xs, w["w_up"], sizes)
+    out_sorted = jax.lax.ragged_dot(hidden, w["w_down"], sizes)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    out = out_sorted[inverse].reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", out, gates.astype(out.dtype))
+
+
+class Placement(NamedTuple):
+    expert: jax.Array  # [t, k] expert that computes the assignment (after any spill)
+    pos: jax.Array  # [t, k] slot within that expert
+    kept: jax.Array  # [t, k] computed (False = dropped)
+    gates: jax.Array  # [t, k] combine weight
+    spilled: jax.Array  # [t, k] moved away from its original expert
+
+
+def _ranks(expert: jax.Array, priority: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
+    """Rank of each valid item among the valid items of the same expert, by ascending priority."""
+    n = expert.shape[0]
+    key = jnp.where(valid, expert, n_experts)
+    srt = jnp.lexsort((jnp.arange(n), priority, key))
+    counts = jnp.bincount(key, length=n_experts + 1)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(n) - starts[key[srt]]
+    return jnp.zeros((n,), rank_sorted.dtype).at[srt].set(rank_sorted)
+
+
+def place_capacity(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
+    """First come (token position, or highest score) first served, ``capacity`` slots per expert."""
+    t, k = r.idx.shape
+    n_experts = r.scores.shape[-1]
+    flat = r.idx.reshape(-1)
+    if drop_order == "score":
+        priority = -jnp.take_along_axis(r.scores, r.idx, axis=-1).reshape(-1)
+    else:
+        priority = jnp.arange(t * k, dtype=jnp.int32)
+    pos = _ranks(flat, priority, jnp.ones_like(flat, bool), n_experts).reshape(t, k)
+    kept = pos < capacity
+    return Placement(r.idx, pos, kept, jnp.where(kept, r.gates, 0.0), jnp.zeros_like(kept))
+
+
+def place_spill(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
+    """Capacity placement, then rounds over each token's next-ranked experts for what overflowed.
+
+    In round j every token that still has an unplaced assignment offers one to its (k+j)-th
+    choice; offers fill the room left in priority order. Capacity only ever fills, so when the
+    rounds end no dropped assignment has a candidate expert with room.
+    """
+    first = place_capacity(r, capacity, drop_order)
+    t, k = r.idx.shape
+    n_experts = r.scores.shape[-1]
+    if k >= n_experts:
+        return first
+    used0 = jnp.minimum(jnp.bincount(r.idx.reshape(-1), length=n_experts), capacity)
+    tokens = jnp.arange(t)
+
+    def round_(carry, cand):  # cand: [t] each token's next choice
+        used, unplaced, expert, pos, gates, spilled = carry
+        want = jnp.any(unplaced, axis=1)
+        if drop_order == "score":
+            priority = -r.scores[tokens, cand]
+        else:
+            priority = tokens
+        slot = used[cand] + _ranks(cand, priority, want, n_experts)
+        ok = want & (slot < capacity)
+        first_free = jnp.argmax(unplaced, axis=1)
+        put = (jnp.arange(k)[None, :] == first_free[:, None]) & ok[:, None]
+        gate = r.scores[tokens, cand] * r.gate_scale
+        expert = jnp.where(put, cand[:, None], expert)
+        pos = jnp.where(put, slot[:, None], pos)
+        gates = jnp.where(put, gate[:, None], gates)
+        spilled = spilled | put
+        unplaced = unplaced & ~put
+        used = used + jnp.bincount(cand, weights=ok.astype(used.dtype), length=n_experts)
+        return (used, unplaced, expert, pos, gates, spilled), None
+
+    init = (used0, ~first.kept, first.expert, first.pos, first.gates, first.spilled)
+    (_, unplaced, expert, pos, gates, spilled), _ = jax.lax.scan(round_, init, r.order[:, k:].T)
+    return Placement(expert, pos, ~unplaced, gates, spilled)
+
+
+def run_placed(h: jax.Array, p: Placement, w: dict, capacity: int) -> jax.Array:
+    """Gather tokens into [e, c] slots, run the experts, gather back and weight. h: [t, din]."""
+    t, k = p.expert.shape
+    n_experts = w["w_gate"].shape[0]
+    n_slots = n_experts * capacity
+    slot = jnp.where(p.kept, p.expert * capacity + p.pos, n_slots).reshape(-1)
+    token = jnp.repeat(jnp.arange(t), k)
+    # which token fills each slot (t = the zero row for empty slots); a scatter of ints only
+    src = jnp.full((n_slots + 1,), t, jnp.int32).at[slot].set(token)[:n_slots]
+    h_pad = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
+    out = expert_ffn(w, h_pad[src].reshape(n_experts, capacity, -1)).reshape(n_slots, -1)
+    out_pad = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
+    per = out_pad[slot].reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", per, jnp.where(p.kept, p.gates, 0.0).astype(per.dtype))
+
+
+def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatch: str) -> tuple[jax.Array, dict]:
+    """Routed experts' output [t, din] and what the dispatch did (drops, spills, tokens per expert)."""
+    t, k = r.idx.shape
+    n_experts = m.n_routed
+    if dispatch == "dropless":
+        y = dropless(h, r.idx, r.gates, w)
+        done = rt.expert_load(r.idx, n_experts)
+        zero = jnp.zeros((), jnp.float32)
+        return y, {"dropped_frac": zero, "spilled_frac": zero, "tokens_per_expert": done}
+
+    group = m.capacity_group if m.capacity_group and t % m.capacity_group == 0 else t
+    n_groups = t // group
+    capacity = m.capacity(group)
+    place = place_spill if dispatch == "spill" else place_capacity
+
+    def one_group(hg, rg):
+        p = place(rg, capacity, m.drop_order)
+        return run_placed(hg, p, w, capacity), p
+
+    split = lambda a: a.reshape((n_groups, group) + a.shape[1:])  # noqa: E731
+    y, p = jax.vmap(one_group)(split(h), jax.tree.map(split, r))
+    y = y.reshape(t, -1)
+    kept = p.kept.reshape(t, k)
+    done = jnp.zeros((n_experts,), jnp.float32).at[p.expert.reshape(-1)].add(kept.reshape(-1).astype(jnp.float32))
+    stats = {
+        "dropped_frac": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+        "spilled_frac": jnp.mean(p.spilled.astype(jnp.float32)),
+        "tokens_per_expert": done,
+    }
+    return y, stats
+
+
+def moe_block(p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig, dispatch: str) -> tuple[jax.Array, dict, jax.Array]:
+    """Shared experts + routed experts (in latent space when latent_dim > 0). x: [b, s, d].
+
+    Returns the output, this layer's router/dispatch metrics and the bias for the next step.
+    """
+    b, s, d = x.shape
+    xt = x.reshape(b * s, d)
+    logits = jnp.dot(xt.astype(jnp.float32), p["router"].astype(jnp.float32))
+    r = rt.route(logits, bias, m)
+    h = xt
+    if m.latent_dim:
+        h = rms_norm(xt @ p["latent_down"], p["latent_norm"], m.norm_eps)
+    experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
+    y, stats = routed_experts(h, r, experts, m, dispatch)
+    if m.latent_dim:
+        y = y @ p["latent_up"]
+    if m.n_shared:
+        y = y + swiglu(xt, p["shared_gate"], p["shared_up"], p["shared_down"])
+    load = rt.expert_load(r.idx, m.n_routed)
+    metrics = dict(
+        stats,
+        expert_load=load,
+        max_mean_load=jnp.max(load) / jnp.mean(load),
+        router_entropy=rt.router_entropy(r.scores),
+        router_z=rt.router_z_loss(logits),
+        aux_loss=rt.switch_aux_loss(r.scores, r.idx, m.n_routed),
+        bias_mean=jnp.mean(bias),
+        bias_std=jnp.std(bias),
+    )
+    new_bias = jax.lax.stop_gradient(rt.next_bias(r, bias, m))
+    return y.reshape(b, s, d), metrics, new_bias

@@ -1,0 +1,155 @@
+"""The language model: parameters, router-bias state, forward pass and loss.
+
+Follow one token: embed -> per layer [RMSNorm -> attention -> +residual -> RMSNorm -> MoE ->
++residual] -> RMSNorm -> untied LM head. Layer weights are stacked on a leading [layers] axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import ModelConfig
+from moelab.model.layers import attention, rms_norm
+from moelab.model.moe import moe_block
+
+# kept in fp32 whatever the compute dtype: router maths and norm weights
+FP32_PARAMS = ("router", "attn_norm", "mlp_norm", "latent_norm", "final_norm")
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+
+
+def param_shapes(m: ModelConfig) -> dict:
+    """Every parameter's shape; the layer entries carry a leading [n_layers] axis."""
+    d, L, hd = m.d_model, m.n_layers, m.head_size
+    din, f = m.expert_in_dim, m.expert_dim
+    layers = {
+        "attn_norm": (L, d),
+        "wq": (L, d, m.n_heads * hd),
+        "wk": (L, d, m.kv_heads_alloc * hd),
+        "wv": (L, d, m.kv_heads_alloc * hd),
+        "wo": (L, m.n_heads * hd, d),
+        "mlp_norm": (L, d),
+        "router": (L, d, m.n_routed),
+        "w_gate": (L, m.n_routed, din, f),
+        "w_up": (L, m.n_routed, din, f),
+        "w_down": (L, m.n_routed, f, din),
+    }
+    if m.latent_dim:
+        layers.update(latent_down=(L, d, m.latent_dim), latent_norm=(L, m.latent_dim), latent_up=(L, m.latent_dim, d))
+    if m.n_shared:
+        width = m.n_shared * m.shared_dim  # n shared experts side by side = one SwiGLU n times as wide
+        layers.update(shared_gate=(L, d, width), shared_up=(L, d, width), shared_down=(L, width, d))
+    return {"embed": (m.vocab_size, d), "layers": layers, "final_norm": (d,), "head": (d, m.vocab_size)}
+
+
+def init_params(m: ModelConfig, key: jax.Array) -> dict:
+    """Truncated normal with std 1/sqrt(fan_in); residual outputs also scaled by 1/sqrt(2 * layers)."""
+    shapes = param_shapes(m)
+    out_scale = 1.0 / math.sqrt(2 * m.n_layers)
+    residual_out = ("wo", "w_down", "latent_up", "shared_down")
+    names = sorted(shapes["layers"])
+    keys = jax.random.split(key, len(names) + 2)
+    layers = {}
+    for k, name in zip(keys, names):
+        shape = shapes["layers"][name]
+        if name.endswith("_norm"):
+            layers[name] = jnp.ones(shape, jnp.float32)
+            continue
+        std = 1.0 / math.sqrt(shape[-2])
+        if name in residual_out:
+            std *= out_scale
+        layers[name] = _normal(k, shape, std)
+    return {
+        "embed": _normal(keys[-2], shapes["embed"], 1.0),
+        "layers": layers,
+        "final_norm": jnp.ones(shapes["final_norm"], jnp.float32),
+        "head": _normal(keys[-1], shapes["head"], 1.0 / math.sqrt(m.d_model)),
+    }
+
+
+def init_state(m: ModelConfig) -> dict:
+    """Router biases: state saved with the model, updated from each batch, never by gradients."""
+    return {"router_bias": jnp.zeros((m.n_layers, m.n_routed), jnp.float32)}
+
+
+def count_params(params: dict) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def _cast(params: dict, dtype: jnp.dtype) -> dict:
+    layers = {k: v if k in FP32_PARAMS else v.astype(dtype) for k, v in params["layers"].items()}
+    return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
+
+
+def forward(params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None):
+    """tokens: [b, s] int -> (hidden [b, s, d] after the final norm, per-layer metrics, new state)."""
+    dispatch = dispatch or m.dispatch
+    dtype = jnp.dtype(m.compute_dtype)
+    if dtype != jnp.float32:
+        params = _cast(params, dtype)
+    x = params["embed"][tokens]
+    layer_metrics = []
+    new_bias = []
+    for i in range(m.n_layers):  # unrolled: local and global layers differ in window and kv heads
+        p = jax.tree.map(lambda a: a[i], params["layers"])
+        h = rms_norm(x, p["attn_norm"], m.norm_eps)
+        x = x + attention(
+            p,
+            h,
+            n_heads=m.n_heads,
+            n_kv_alloc=m.kv_heads_alloc,
+            n_kv=m.layer_kv_heads(i),
+            head_dim=m.head_size,
+            window=0 if m.is_global(i) else m.sliding_window,
+            rope_fraction=m.rope_fraction,
+            rope_theta=m.rope_theta,
+            eps=m.norm_eps,
+        )
+        h = rms_norm(x, p["mlp_norm"], m.norm_eps)
+        y, metrics, bias = moe_block(p, h, state["router_bias"][i], m, dispatch)
+        x = x + y
+        layer_metrics.append(metrics)
+        new_bias.append(bias)
+    metrics = jax.tree.map(lambda *a: jnp.stack(a), *layer_metrics)
+    x = rms_norm(x, params["final_norm"], m.norm_eps)
+    return x, metrics, {"router_bias": jnp.stack(new_bias)}
+
+
+def logits_of(params: dict, hidden: jax.Array) -> jax.Array:
+    head = params["head"].astype(hidden.dtype)
+    return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def loss_fn(
+    params: dict,
+    state: dict,
+    inputs: jax.Array,
+    targets: jax.Array,
+    m: ModelConfig,
+    *,
+    mask: jax.Array | None = None,
+    train: bool = True,
+):
+    """Cross-entropy + logit z-loss + router aux and z terms. Returns (loss, (metrics, new_state)).
+
+    Router aux and z terms are averaged over layers before their coefficients apply.
+    """
+    dispatch = m.dispatch if train else (m.eval_dispatch or m.dispatch)
+    hidden, layers, new_state = forward(params, state, inputs, m, dispatch)
+    logits = logits_of(params, hidden)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    weight = jnp.ones_like(lse) if mask is None else mask.astype(jnp.float32)
+    denom = jnp.maximum(jnp.sum(weight), 1.0)
+    ce = jnp.sum((lse - target_logit) * weight) / denom
+    logit_z = jnp.sum(lse**2 * weight) / denom
+    aux = jnp.mean(layers["aux_loss"])
+    router_z = jnp.mean(layers["router_z"])
+    loss = ce + m.logit_z_loss * logit_z + m.aux_loss_coef * aux + m.router_z_loss_coef * router_z
+    metrics = {"loss": loss, "ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
+    return loss, (metrics, new_state)

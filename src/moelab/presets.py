@@ -1,0 +1,111 @@
+"""Named configurations: Marin's 535B-A23B hero, its four ladder rungs, and tiny CPU models.
+
+Shapes and step counts come from ``shared/reference/marin_hero.json`` (Marin issue #8435).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+SEQ = 4096
+WINDOW = 2048
+VOCAB = 128256
+
+
+def _marin(d: int, layers: int, heads: int, kv_local: int, kv_global: int, steps: int, batch: int) -> dict:
+    """Marin's recipe at width d: head_dim 128, 384 experts top-8, expert = latent = shared = d/2."""
+    return {
+        "model": {
+            "d_model": d,
+            "n_layers": layers,
+            "n_heads": heads,
+            "head_dim": 128,
+            "n_kv_heads": kv_global,
+            "n_kv_heads_local": kv_local,
+            "vocab_size": VOCAB,
+            "seq_len": SEQ,
+            "sliding_window": WINDOW,
+            "global_every": 4,
+            "n_routed": 384,
+            "top_k": 8,
+            "expert_dim": d // 2,
+            "latent_dim": d // 2,
+            "n_shared": 2,
+            "shared_dim": d // 2,
+            "router": "sigmoid",
+            "bias_update": "quantile",
+            "routed_scale": 2.5,
+            "aux_loss_coef": 0.0,
+            "logit_z_loss": 1e-4,
+            "dispatch": "capacity",
+            "eval_dispatch": "dropless",
+            "capacity_factor": 1.15,
+            "compute_dtype": "bfloat16",
+        },
+        "train": {"steps": steps, "batch_size": batch, "lr": "auto", "warmup_frac": 0.01, "min_lr_ratio": 0.05},
+    }
+
+
+def _rung(d: int, layers: int, kv_local: int, kv_global: int, racks: int, steps: int) -> dict:
+    # heads = d / 128 and 1024 sequences per rack, as in Marin's ladder
+    return _marin(d, layers, d // 128, kv_local, kv_global, steps, 1024 * racks)
+
+
+def _tiny() -> dict:
+    """Every feature of the hero recipe at a size that trains on 2 CPU cores in well under a second a step."""
+    return {
+        "model": {
+            "d_model": 128,
+            "n_layers": 4,
+            "n_heads": 4,
+            "n_kv_heads": 1,
+            "n_kv_heads_local": 2,
+            "vocab_size": 2048,
+            "seq_len": 128,
+            "sliding_window": 64,
+            "global_every": 2,
+            "n_routed": 8,
+            "top_k": 2,
+            "expert_dim": 64,
+            "latent_dim": 64,
+            "n_shared": 1,
+            "shared_dim": 64,
+            "router": "sigmoid",
+            "bias_update": "quantile",
+            "routed_scale": 1.0,
+            "aux_loss_coef": 0.0,
+            "dispatch": "capacity",
+            "eval_dispatch": "dropless",
+            "capacity_factor": 1.25,
+        },
+        "train": {"steps": 300, "batch_size": 16, "lr": 3e-3},
+    }
+
+
+def _tiny_softmax() -> dict:
+    """The tiny model with a softmax router, Switch aux loss and dropless dispatch, no window or latent."""
+    cfg = _tiny()
+    cfg["model"].update(
+        router="softmax", bias_update="none", aux_loss_coef=0.01, dispatch="dropless", eval_dispatch="",
+        latent_dim=0, sliding_window=0, n_kv_heads=2, n_kv_heads_local=0,
+    )
+    return cfg
+
+
+PRESETS: dict[str, Callable[[], dict]] = {
+    "marin-535b-a23b": lambda: _marin(6144, 48, 48, 12, 6, steps=390251, batch=11264),
+    "marin-ladder-d768": lambda: _rung(768, 8, 1, 1, racks=1, steps=11420),
+    "marin-ladder-d1024": lambda: _rung(1024, 12, 2, 1, racks=2, steps=15276),
+    "marin-ladder-d1536": lambda: _rung(1536, 16, 3, 1, racks=6, steps=15128),
+    "marin-ladder-d2048": lambda: _rung(2048, 22, 4, 2, racks=11, steps=20072),
+    "tiny": _tiny,
+    "tiny-softmax": _tiny_softmax,
+}
+
+MARIN_LADDER = ("marin-ladder-d768", "marin-ladder-d1024", "marin-ladder-d1536", "marin-ladder-d2048")
+
+
+def preset_dict(name: str) -> dict:
+    data = PRESETS[name]()
+    data["name"] = name
+    return data

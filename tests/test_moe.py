@@ -1,0 +1,240 @@
+"""The MoE block against slow references and hand-worked cases: dropless, capacity, spill."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import moe_reference, reference_choices
+
+from moelab.config import config_from_dict
+from moelab.model import router as rt
+from moelab.model.moe import moe_block, place_capacity, place_spill, routed_experts
+from moelab.model.transformer import init_params
+
+
+def small(**model) -> tuple:
+    base = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, n_routed=4, top_k=2, expert_dim=8,
+                n_shared=1, shared_dim=12, latent_dim=0, vocab_size=32, seq_len=8)
+    base.update(model)
+    m = config_from_dict({"model": base}).model
+    params = init_params(m, jax.random.PRNGKey(0))
+    layer = jax.tree.map(lambda a: a[0], params["layers"])
+    # a router with some spread, so top-k choices are far from ties
+    layer["router"] = layer["router"] * 3.0
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, m.d_model))
+    bias = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (m.n_routed,))
+    return m, layer, x, bias
+
+
+CASES = [
+    dict(latent_dim=0, n_shared=0),
+    dict(latent_dim=0, n_shared=1),
+    dict(latent_dim=8, n_shared=0),
+    dict(latent_dim=8, n_shared=2, router="sigmoid", routed_scale=2.5),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_dropless_equals_loop_reference_forward_and_grad(case):
+    m, p, x, bias = small(**case)
+    y = moe_block(p, x, bias, m, "dropless")[0]
+    y_ref = moe_reference(p, x, bias, m)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+
+    probe = jax.random.normal(jax.random.PRNGKey(3), y.shape)
+    fast = jax.grad(lambda p, x: jnp.sum(moe_block(p, x, bias, m, "dropless")[0] * probe), argnums=(0, 1))(p, x)
+    choices = reference_choices(p, x, bias, m)
+    slow = jax.grad(lambda p, x: jnp.sum(moe_reference(p, x, bias, m, choices=choices) * probe), argnums=(0, 1))(p, x)
+    for name in p:
+        np.testing.assert_allclose(fast[0][name], slow[0][name], atol=1e-5, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(fast[1], slow[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "spill"])
+@pytest.mark.parametrize("order", ["position", "score"])
+def test_ample_capacity_equals_dropless(dispatch, order):
+    m, p, x, bias = small(latent_dim=8, capacity_factor=4.0, drop_order=order)  # 4 = E / k: room for all
+    y, metrics, _ = moe_block(p, x, bias, m, dispatch)
+    y_ref, _, _ = moe_block(p, x, bias, m, "dropless")
+    assert float(metrics["dropped_frac"]) == 0.0
+    assert float(metrics["spilled_frac"]) == 0.0
+    np.testing.assert_allclose(y, y_ref, atol=1e-6, rtol=1e-6)
+    g = jax.grad(lambda p: jnp.sum(moe_block(p, x, bias, m, dispatch)[0] ** 2))(p)
+    g_ref = jax.grad(lambda p: jnp.sum(moe_block(p, x, bias, m, "dropless")[0] ** 2))(p)
+    for name in p:
+        np.testing.assert_allclose(g[name], g_ref[name], atol=1e-6, rtol=1e-5, err_msg=name)
+
+
+# Four tokens, three experts, top-2, softmax router. Worked by hand:
+#   t0 [3, 2, 0] -> experts 0, 1      t1 [2.5, 0, 1] -> 0, 2
+#   t2 [4, 1, 0] -> 0, 1              t3 [2, 4, 0]   -> 1, 0
+# With capacity 2 per expert:
+#   by position: expert 0 serves t0, t1 (drops t2 slot 0, t3 slot 1); expert 1 serves t0, t2
+#   (drops t3 slot 0); expert 2 serves t1.
+#   by score (softmax probability of the chosen expert): expert 0 sees t2 .936, t1 .766,
+#   t0 .705, t3 .117 -> keeps t2, t1; expert 1 sees t3 .867, t0 .259, t2 .047 -> keeps t3, t0.
+HAND_LOGITS = jnp.array([[3.0, 2.0, 0.0], [2.5, 0.0, 1.0], [4.0, 1.0, 0.0], [2.0, 4.0, 0.0]])
+
+
+def hand_routing(router="softmax"):
+    m = config_from_dict({"model": {"n_routed": 3, "top_k": 2, "router": router, "n_kv_heads": 1}}).model
+    return rt.route(HAND_LOGITS, jnp.zeros(3), m)
+
+
+def test_capacity_drops_by_position_hand_case():
+    r = hand_routing()
+    assert r.idx.tolist() == [[0, 1], [0, 2], [0, 1], [1, 0]]
+    p = place_capacity(r, capacity=2, drop_order="position")
+    assert p.kept.tolist() == [[True, True], [True, True], [False, True], [False, False]]
+
+
+def test_capacity_drops_by_score_hand_case():
+    p = place_capacity(hand_routing(), capacity=2, drop_order="score")
+    assert p.kept.tolist() == [[False, True], [True, True], [True, False], [True, False]]
+
+
+def test_capacity_output_leaves_out_exactly_the_dropped():
+    m, p, x, bias = small(n_routed=4, top_k=2, capacity_factor=0.5, drop_order="position")
+    y, metrics, _ = moe_block(p, x, bias, m, "capacity")
+    # recompute which assignments fit, by hand: token-major order, C = ceil(0.5 * 12 * 2 / 4) = 3
+    xt = x.reshape(-1, m.d_model)
+    choices = np.argsort(-(np.asarray(xt @ p["router"]) + np.asarray(bias)), axis=1, kind="stable")[:, :2]
+    seen = {e: 0 for e in range(4)}
+    keep = {}
+    for t in range(xt.shape[0]):
+        for j, e in enumerate(choices[t]):
+            keep[(t, j)] = seen[e] < 3
+            seen[e] += 1
+    assert float(metrics["dropped_frac"]) == pytest.approx(1 - sum(keep.values()) / len(keep))
+    assert float(metrics["dropped_frac"]) > 0
+    np.testing.assert_allclose(y, moe_reference(p, x, bias, m, keep=keep), atol=1e-5, rtol=1e-5)
+
+
+def test_spill_hand_case():
+    r = hand_routing()
+    p = place_spill(r, capacity=2, drop_order="position")
+    # t2's slot 0 overflowed at expert 0; its next choice, expert 2, has room (t1 holds one slot).
+    # t3 overflowed twice; its only other expert, 2, is full once t2 is placed -> both dropped.
+    assert p.expert.tolist() == [[0, 1], [0, 2], [2, 1], [1, 0]]
+    assert p.kept.tolist() == [[True, True], [True, True], [True, True], [False, False]]
+    assert p.spilled.tolist() == [[False, False], [False, False], [True, False], [False, False]]
+    probs = jax.nn.softmax(HAND_LOGITS[2])
+    assert float(p.gates[2, 0]) == pytest.approx(float(probs[2] / (probs[0] + probs[1])), rel=1e-6)
+
+
+def test_spill_reports_fraction_and_never_drops_with_room():
+    m, p, x, bias = small(n_routed=8, top_k=2, capacity_factor=0.75)
+    xt = jax.random.normal(jax.random.PRNGKey(5), (64, m.d_model))
+    logits = xt @ p["router"] + jnp.linspace(0, 2, 8)  # skewed: the last experts overflow
+    r = rt.route(logits, jnp.zeros(8), m)
+    cap = m.capacity(64)
+    pl = place_spill(r, cap, "position")
+    kept = np.asarray(pl.kept)
+    expert = np.asarray(pl.expert)
+    used = np.bincount(expert[kept], minlength=8)
+    assert used.max() <= cap
+    spilled_frac = np.asarray(pl.spilled).mean()
+    assert spilled_frac > 0
+    for t in range(64):
+        if kept[t].all():
+            continue
+        mine = set(expert[t][kept[t]].tolist())
+        for e in range(8):
+            if e not in mine:
+                assert used[e] == cap, f"token {t} dropped while expert {e} had room"
+    w = {k: p[k] for k in ("w_gate", "w_up", "w_down")}
+    _, stats = routed_experts(xt, r, w, m.__class__(**{**m.__dict__, "capacity_factor": 0.75}), "spill")
+    assert float(stats["spilled_frac"]) == pytest.approx(spilled_frac)
+    assert float(stats["dropped_frac"]) == pytest.approx(1 - kept.mean())
+    # spill drops fewer than plain capacity on the same routing
+    assert float(stats["dropped_frac"]) < 1 - np.asarray(place_capacity(r, cap, "position").kept).mean()
+
+
+def test_capacity_groups_count_per_group():
+    m, p, x, bias = small(capacity_factor=1.0, capacity_group=6)
+    _, metrics, _ = moe_block(p, x, bias, m, "capacity")
+    # one group per sequence: the same as running each sequence alone
+    per_seq = [moe_block(p, x[i : i + 1], bias, m.__class__(**{**m.__dict__, "capacity_group": 0}), "capacity")
+               for i in range(2)]
+    assert float(metrics["dropped_frac"]) == pytest.approx(np.mean([float(o[1]["dropped_frac"]) for o in per_seq]))
+    y_groups = moe_block(p, x, bias, m, "capacity")[0]
+    np.testing.assert_allclose(y_groups, jnp.concatenate([o[0] for o in per_seq]), atol=1e-6)
+
+
+def skewed_logits(key, t=16384, e=16):
+    offsets = jnp.linspace(0.0, 4.0, e)  # the last expert is e^4 ~ 55x likelier than the first
+    scale = jnp.linspace(0.5, 2.0, e)[::-1]
+    return jax.random.normal(key, (t, e)) * scale + offsets
+
+
+def max_mean(idx, e):
+    load = np.bincount(np.asarray(idx).ravel(), minlength=e)
+    return load.max() / load.mean()
+
+
+def test_quantile_bias_balances_a_skewed_router():
+    m = config_from_dict({"model": {"n_routed": 16, "top_k": 2, "router": "sigmoid", "bias_update": "quantile"}}).model
+    bias = jnp.zeros(16)
+    frozen, balanced = [], []
+    for i in range(5):
+        logits = skewed_logits(jax.random.PRNGKey(i))
+        frozen.append(max_mean(rt.route(logits, jnp.zeros(16), m).idx, 16))
+        r = rt.route(logits, bias, m)
+        balanced.append(max_mean(r.idx, 16))
+        bias = rt.next_bias(r, bias, m)  # applied on the next batch, a fresh one
+    assert min(frozen) > 2.0
+    assert balanced[0] == frozen[0]
+    # 2048 assignments per expert on average: sampling noise alone puts max/mean near 1.05
+    assert max(balanced[2:]) < 1.1, balanced
+    assert abs(float(jnp.mean(bias))) < 1e-5  # mean-centred
+
+
+def test_sign_bias_moves_load_the_right_way():
+    m = config_from_dict({"model": {"n_routed": 16, "top_k": 2, "router": "sigmoid", "bias_update": "sign",
+                                    "bias_rate": 0.05}}).model
+    logits = skewed_logits(jax.random.PRNGKey(0))
+    bias = jnp.zeros(16)
+    r = rt.route(logits, bias, m)
+    load = np.bincount(np.asarray(r.idx).ravel(), minlength=16)
+    new = np.asarray(rt.next_bias(r, bias, m))
+    over, under = load > load.mean(), load < load.mean()
+    assert (new[over] == -0.05).all() and (new[under] == 0.05).all()
+    first = max_mean(r.idx, 16)
+    for _ in range(60):
+        r = rt.route(logits, bias, m)
+        bias = rt.next_bias(r, bias, m)
+    assert max_mean(rt.route(logits, bias, m).idx, 16) < first / 2
+
+
+def test_bias_changes_selection_not_gates():
+    m = config_from_dict({"model": {"n_routed": 3, "top_k": 1, "router": "sigmoid", "routed_scale": 2.0}}).model
+    logits = jnp.array([[1.0, 0.5, 0.0]])
+    r = rt.route(logits, jnp.array([0.0, 1.0, 0.0]), m)
+    assert r.idx.tolist() == [[1]]
+    assert float(r.gates[0, 0]) == pytest.approx(2.0)  # renormalised to routed_scale
+    g = jax.grad(lambda b: jnp.sum(rt.route(logits, b, m).gates))(jnp.zeros(3))
+    assert np.all(np.asarray(g) == 0)
+
+
+def test_switch_aux_loss_hand_case():
+    # probabilities [.8, .2] and [.6, .4], top-1 -> both tokens to expert 0:
+    # f = [1, 0], P = [.7, .3], aux = E * sum f P = 2 * .7 = 1.4
+    probs = jnp.array([[0.8, 0.2], [0.6, 0.4]])
+    m = config_from_dict({"model": {"n_routed": 2, "top_k": 1, "n_kv_heads": 1}}).model
+    r = rt.route(jnp.log(probs), jnp.zeros(2), m)
+    assert float(rt.switch_aux_loss(r.scores, r.idx, 2)) == pytest.approx(1.4, rel=1e-6)
+    # perfectly balanced uniform router -> 1.0
+    r = rt.route(jnp.zeros((4, 2)) + jnp.array([[1e-3, 0], [0, 1e-3], [1e-3, 0], [0, 1e-3]]), jnp.zeros(2), m)
+    assert float(rt.switch_aux_loss(r.scores, r.idx, 2)) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_router_metrics_hand_case():
+    logits = jnp.array([[0.0, 0.0], [2.0, 0.0]])
+    lse = np.log([2.0, np.exp(2.0) + 1.0])
+    assert float(rt.router_z_loss(logits)) == pytest.approx(float(np.mean(lse**2)), rel=1e-6)
+    uniform = rt.router_entropy(jax.nn.softmax(jnp.zeros((3, 8))))
+    assert float(uniform) == pytest.approx(1.0, rel=1e-6)
+    peaked = rt.router_entropy(jnp.array([[1.0, 0.0, 0.0, 0.0]]))
+    assert float(peaked) == pytest.approx(0.0, abs=1e-6)
