@@ -6,17 +6,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import moe_reference, reference_choices
 
 from moelab.config import config_from_dict
 from moelab.model import router as rt
-from moelab.model.moe import moe_block, place_capacity, place_spill, routed_experts
+from moelab.model.moe import (
+    dropless_blocks,
+    dropless_ragged,
+    moe_block,
+    place_capacity,
+    place_spill,
+    routed_experts,
+)
 from moelab.model.transformer import init_params
+from reference import moe_reference, reference_choices
 
 
 def small(**model) -> tuple:
-    base = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, n_routed=4, top_k=2, expert_dim=8,
-                n_shared=1, shared_dim=12, latent_dim=0, vocab_size=32, seq_len=8)
+    base = dict(
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        n_routed=4,
+        top_k=2,
+        expert_dim=8,
+        n_shared=1,
+        shared_dim=12,
+        latent_dim=0,
+        vocab_size=32,
+        seq_len=8,
+    )
     base.update(model)
     m = config_from_dict({"model": base}).model
     params = init_params(m, jax.random.PRNGKey(0))
@@ -156,8 +175,10 @@ def test_capacity_groups_count_per_group():
     m, p, x, bias = small(capacity_factor=1.0, capacity_group=6)
     _, metrics, _ = moe_block(p, x, bias, m, "capacity")
     # one group per sequence: the same as running each sequence alone
-    per_seq = [moe_block(p, x[i : i + 1], bias, m.__class__(**{**m.__dict__, "capacity_group": 0}), "capacity")
-               for i in range(2)]
+    per_seq = [
+        moe_block(p, x[i : i + 1], bias, m.__class__(**{**m.__dict__, "capacity_group": 0}), "capacity")
+        for i in range(2)
+    ]
     assert float(metrics["dropped_frac"]) == pytest.approx(np.mean([float(o[1]["dropped_frac"]) for o in per_seq]))
     y_groups = moe_block(p, x, bias, m, "capacity")[0]
     np.testing.assert_allclose(y_groups, jnp.concatenate([o[0] for o in per_seq]), atol=1e-6)
@@ -192,8 +213,9 @@ def test_quantile_bias_balances_a_skewed_router():
 
 
 def test_sign_bias_moves_load_the_right_way():
-    m = config_from_dict({"model": {"n_routed": 16, "top_k": 2, "router": "sigmoid", "bias_update": "sign",
-                                    "bias_rate": 0.05}}).model
+    m = config_from_dict(
+        {"model": {"n_routed": 16, "top_k": 2, "router": "sigmoid", "bias_update": "sign", "bias_rate": 0.05}}
+    ).model
     logits = skewed_logits(jax.random.PRNGKey(0))
     bias = jnp.zeros(16)
     r = rt.route(logits, bias, m)
@@ -238,3 +260,24 @@ def test_router_metrics_hand_case():
     assert float(uniform) == pytest.approx(1.0, rel=1e-6)
     peaked = rt.router_entropy(jnp.array([[1.0, 0.0, 0.0, 0.0]]))
     assert float(peaked) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+def test_block_dropless_equals_ragged_dot_path(skew):
+    """The CPU fast path against the ragged_dot reference, with empty and crowded experts."""
+    key = jax.random.split(jax.random.PRNGKey(7), 6)
+    t, k, e, din, f = 50, 3, 8, 12, 10
+    h = jax.random.normal(key[0], (t, din))
+    logits = jax.random.normal(key[1], (t, e)) + skew * jnp.arange(e) / e
+    idx = jax.lax.top_k(logits, k)[1]
+    gates = jax.nn.softmax(jax.random.normal(key[2], (t, k)))
+    w = {
+        "w_gate": jax.random.normal(key[3], (e, din, f)) / 4,
+        "w_up": jax.random.normal(key[4], (e, din, f)) / 4,
+        "w_down": jax.random.normal(key[5], (e, f, din)) / 4,
+    }
+    np.testing.assert_allclose(dropless_blocks(h, idx, gates, w), dropless_ragged(h, idx, gates, w), atol=1e-5)
+    grad = lambda fn: jax.grad(lambda h, g, w: jnp.sum(fn(h, idx, g, w) ** 2), argnums=(0, 1, 2))(h, gates, w)  # noqa: E731
+    fast, ref = grad(dropless_blocks), grad(dropless_ragged)
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)

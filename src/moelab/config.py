@@ -12,9 +12,10 @@ import json
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -288,7 +289,7 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return data
 
 
-def load_config(spec: "str | Path | dict | Config", overrides: Sequence[str] = ()) -> Config:
+def load_config(spec: str | Path | dict | Config, overrides: Sequence[str] = ()) -> Config:
     """A preset name, a YAML path, a dict or a Config, then ``section.key=value`` overrides."""
     from moelab.presets import PRESETS, preset_dict
 
@@ -321,59 +322,101 @@ def load_config(spec: "str | Path | dict | Config", overrides: Sequence[str] = (
 
 def _check_model(m: ModelConfig) -> list[str]:
     e: list[str] = []
+    bad: set[str] = set()  # fields already reported; checks that involve them are skipped
 
-    def positive(*names: str) -> None:
-        for n in names:
-            if getattr(m, n) <= 0:
-                e.append(f"model.{n}: must be > 0, got {getattr(m, n)}")
+    def fail(name: str, msg: str) -> None:
+        bad.add(name)
+        e.append(f"model.{name}: {msg}")
 
-    def non_negative(*names: str) -> None:
-        for n in names:
-            if getattr(m, n) < 0:
-                e.append(f"model.{n}: must be >= 0, got {getattr(m, n)}")
+    def check(names: tuple[str, ...], ok: bool, msg: str) -> None:
+        if not ok and not bad.intersection(names):
+            fail(names[0], msg)
 
-    def one_of(name: str, allowed: Sequence[str]) -> None:
-        if getattr(m, name) not in allowed:
-            e.append(f"model.{name}: must be one of {', '.join(allowed)}, got {getattr(m, name)!r}")
+    for n in (
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "seq_len",
+        "n_routed",
+        "top_k",
+        "expert_dim",
+        "norm_eps",
+        "rope_theta",
+        "routed_scale",
+    ):
+        check((n,), getattr(m, n) > 0, f"must be > 0, got {getattr(m, n)}")
+    for n in (
+        "n_kv_heads_local",
+        "head_dim",
+        "sliding_window",
+        "global_every",
+        "n_shared",
+        "shared_dim",
+        "latent_dim",
+        "capacity_group",
+        "aux_loss_coef",
+        "router_z_loss_coef",
+        "logit_z_loss",
+        "bias_rate",
+    ):
+        check((n,), getattr(m, n) >= 0, f"must be >= 0, got {getattr(m, n)}")
+    for n, allowed in (
+        ("router", ROUTERS),
+        ("bias_update", BIAS_UPDATES),
+        ("dispatch", DISPATCHES),
+        ("drop_order", DROP_ORDERS),
+        ("compute_dtype", DTYPES),
+        ("eval_dispatch", ("",) + DISPATCHES),
+    ):
+        check((n,), getattr(m, n) in allowed, f"must be one of {', '.join(map(repr, allowed))}, got {getattr(m, n)!r}")
+    check(("capacity_factor",), m.capacity_factor > 0, f"must be > 0, got {m.capacity_factor}")
+    check(("rope_fraction",), 0.0 < m.rope_fraction <= 1.0, f"must be in (0, 1], got {m.rope_fraction}")
 
-    positive("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
-    positive("n_routed", "top_k", "expert_dim", "norm_eps", "rope_theta", "routed_scale")
-    non_negative("n_kv_heads_local", "head_dim", "sliding_window", "global_every", "n_shared")
-    non_negative("shared_dim", "latent_dim", "capacity_group", "aux_loss_coef", "router_z_loss_coef")
-    non_negative("logit_z_loss", "bias_rate")
-    one_of("router", ROUTERS)
-    one_of("bias_update", BIAS_UPDATES)
-    one_of("dispatch", DISPATCHES)
-    one_of("drop_order", DROP_ORDERS)
-    one_of("compute_dtype", DTYPES)
-    if m.eval_dispatch not in ("",) + DISPATCHES:
-        e.append(f"model.eval_dispatch: must be empty or one of {', '.join(DISPATCHES)}, got {m.eval_dispatch!r}")
-    if m.head_dim == 0 and m.n_heads > 0 and m.d_model % m.n_heads:
-        e.append(f"model.n_heads: {m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim")
-    if m.n_heads > 0 and m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads:
-        e.append(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
-    if m.n_kv_heads_local > 0 and m.n_heads % m.n_kv_heads_local:
-        e.append(f"model.n_kv_heads_local: {m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}")
-    if m.sliding_window and m.n_kv_heads > 0:
+    if m.head_dim == 0:
+        check(
+            ("n_heads", "d_model"),
+            m.d_model % m.n_heads == 0,
+            f"{m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim",
+        )
+    check(
+        ("n_kv_heads", "n_heads"),
+        m.n_heads % m.n_kv_heads == 0,
+        f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}",
+    )
+    if m.n_kv_heads_local:
+        check(
+            ("n_kv_heads_local", "n_heads"),
+            m.n_heads % m.n_kv_heads_local == 0,
+            f"{m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}",
+        )
+    if m.sliding_window:
         lo, hi = sorted((m.n_kv_heads, m.kv_heads_local))
-        if lo > 0 and hi % lo:
-            e.append(f"model.n_kv_heads_local: {m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another")
-    if m.n_heads > 0 and m.d_model > 0 and m.head_size % 2:
-        e.append(f"model.head_dim: head size {m.head_size} must be even for rotary embeddings")
-    if not 0.0 < m.rope_fraction <= 1.0:
-        e.append(f"model.rope_fraction: must be in (0, 1], got {m.rope_fraction}")
-    elif m.n_heads > 0 and m.d_model > 0 and int(m.head_size * m.rope_fraction) % 2:
-        e.append(f"model.rope_fraction: {m.rope_fraction} of head size {m.head_size} is not an even number of dims")
-    if m.n_routed > 0 and m.top_k > m.n_routed:
-        e.append(f"model.top_k: {m.top_k} is larger than model.n_routed={m.n_routed}")
-    if m.capacity_factor <= 0:
-        e.append(f"model.capacity_factor: must be > 0, got {m.capacity_factor}")
-    if m.latent_dim > m.d_model:
-        e.append(f"model.latent_dim: {m.latent_dim} is larger than model.d_model={m.d_model}")
-    if m.sliding_window > m.seq_len:
-        e.append(f"model.sliding_window: {m.sliding_window} is larger than model.seq_len={m.seq_len}")
-    if m.n_shared > 0 and m.shared_dim <= 0:
-        e.append(f"model.shared_dim: must be > 0 when model.n_shared={m.n_shared}")
+        check(
+            ("n_kv_heads_local", "n_kv_heads", "n_heads"),
+            lo > 0 and hi % lo == 0,
+            f"{m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another",
+        )
+    if not bad.intersection(("head_dim", "n_heads", "d_model")):
+        check(("head_dim",), m.head_size % 2 == 0, f"head size {m.head_size} must be even for rotary embeddings")
+        check(
+            ("rope_fraction", "head_dim"),
+            int(m.head_size * m.rope_fraction) % 2 == 0,
+            f"{m.rope_fraction} of head size {m.head_size} is not an even number of dims",
+        )
+    check(("top_k", "n_routed"), m.top_k <= m.n_routed, f"{m.top_k} is larger than model.n_routed={m.n_routed}")
+    check(
+        ("latent_dim", "d_model"), m.latent_dim <= m.d_model, f"{m.latent_dim} is larger than model.d_model={m.d_model}"
+    )
+    check(
+        ("sliding_window", "seq_len"),
+        m.sliding_window <= m.seq_len,
+        f"{m.sliding_window} is larger than model.seq_len={m.seq_len}",
+    )
+    check(
+        ("shared_dim", "n_shared"), m.n_shared == 0 or m.shared_dim > 0, f"must be > 0 when model.n_shared={m.n_shared}"
+    )
     return e
 
 

@@ -28,12 +28,18 @@ def accounting_rows() -> list[dict]:
     ref = marin_reference()
     hero = ref["hero"]["expected"]
     published = {
-        "marin-535b-a23b": (hero["total_params"], hero["active_params"], hero["train_flops_with_lm_head"],
-                            hero["train_flops_without_lm_head"]),
+        "marin-535b-a23b": (
+            hero["total_params"],
+            hero["active_params"],
+            hero["train_flops_with_lm_head"],
+            hero["train_flops_without_lm_head"],
+        ),
     }
     for rung in ref["ladder"]:
         published[f"marin-ladder-{rung['name']}"] = (
-            rung["expected_total"], rung["expected_active"], rung["expected_train_flops_with_lm_head"],
+            rung["expected_total"],
+            rung["expected_active"],
+            rung["expected_train_flops_with_lm_head"],
             rung["expected_train_flops_without_lm_head"],
         )
     rows = []
@@ -58,7 +64,7 @@ def print_accounting() -> None:
             f"{r['name']:<20} {r['tokens']:>9.3g} {h(o[0]) + ' [' + h(m[0]) + ']':>20} {h(o[1]) + ' [' + h(m[1]) + ']':>20}"
             f" {f'{o[2]:.3g} [{m[2]:.3g}]':>22} {f'{o[3]:.3g} [{m[3]:.3g}]':>22}"
         )
-    worst = max(abs(o / m - 1) for r in rows for o, m in zip(r["ours"], r["marin"]))
+    worst = max(abs(o / m - 1) for r in rows for o, m in zip(r["ours"], r["marin"], strict=True))
     print(f"\nlargest relative difference from Marin's figures: {worst:.3%}\n")
 
 

@@ -5,7 +5,7 @@ Shapes and step counts come from ``shared/reference/marin_hero.json`` (Marin iss
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 SEQ = 4096
 WINDOW = 2048
@@ -86,8 +86,15 @@ def _tiny_softmax() -> dict:
     """The tiny model with a softmax router, Switch aux loss and dropless dispatch, no window or latent."""
     cfg = _tiny()
     cfg["model"].update(
-        router="softmax", bias_update="none", aux_loss_coef=0.01, dispatch="dropless", eval_dispatch="",
-        latent_dim=0, sliding_window=0, n_kv_heads=2, n_kv_heads_local=0,
+        router="softmax",
+        bias_update="none",
+        aux_loss_coef=0.01,
+        dispatch="dropless",
+        eval_dispatch="",
+        latent_dim=0,
+        sliding_window=0,
+        n_kv_heads=2,
+        n_kv_heads_local=0,
     )
     return cfg
 

@@ -1,6 +1,7 @@
 """The MoE block: shared experts, an optional latent path, and routed experts under three dispatches.
 
-- dropless: sort assignments by expert and run grouped matmuls (``jax.lax.ragged_dot``);
+- dropless: sort assignments by expert and run grouped matmuls (``jax.lax.ragged_dot``, or
+  expert-pure blocks of rows on CPU, where ragged_dot is slow);
 - capacity: ``ceil(CF * T * k / E)`` slots per expert per group, overflow dropped by position
   or by lowest router score;
 - spill: as capacity, then each overflowing assignment walks its token's next-ranked experts
@@ -30,8 +31,12 @@ def expert_ffn(w: dict, buf: jax.Array) -> jax.Array:
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w["w_down"])
 
 
-def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
-    """Every assignment computed: sort by expert, grouped matmuls, unsort, weight. h: [t, din]."""
+def dropless_ragged(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed: sort by expert, ``ragged_dot`` grouped matmuls, unsort, weight.
+
+    The reference dropless path, and the fast one where XLA has grouped-matmul kernels (GPU, TPU).
+    h: [t, din], idx and gates: [t, k].
+    """
     t, k = idx.shape
     n_experts = w["w_gate"].shape[0]
     flat = idx.reshape(-1)
@@ -43,6 +48,55 @@ def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Arr
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
     out = out_sorted[inverse].reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", out, gates.astype(out.dtype))
+
+
+def block_size(n_assignments: int, n_experts: int) -> int:
+    """Rows per block: about a quarter of an expert's fair share, a multiple of 8.
+
+    Padding each expert to whole blocks then adds at most a quarter to the work.
+    """
+    return max(8, -(-n_assignments // (4 * n_experts) // 8) * 8)
+
+
+def dropless_blocks(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed, in blocks: each expert's rows padded to whole blocks of one expert.
+
+    The same result as ``dropless_ragged`` with only batched matmuls, which XLA:CPU runs far
+    faster than ``ragged_dot``. The number of blocks has a static bound: t*k/B + E.
+    """
+    t, k = idx.shape
+    n_experts = w["w_gate"].shape[0]
+    n = t * k
+    bsz = block_size(n, n_experts)
+    n_blocks = -(-n // bsz) + n_experts
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = -(-sizes // bsz) * bsz
+    padded_starts = jnp.cumsum(padded) - padded
+    expert_sorted = flat[order]
+    row_sorted = padded_starts[expert_sorted] + jnp.arange(n) - starts[expert_sorted]
+    row = jnp.zeros_like(row_sorted).at[order].set(row_sorted)  # each assignment's row
+    # which token fills each row (t = the zero row for padding); a scatter of ints only
+    src = jnp.full((n_blocks * bsz,), t, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32) // k)
+    block_expert = jnp.clip(
+        jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * bsz, side="right"), 0, n_experts - 1
+    )
+    h_pad = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
+    xs = h_pad[src].reshape(n_blocks, bsz, -1)
+    gate = jnp.einsum("nbd,ndf->nbf", xs, w["w_gate"][block_expert])
+    up = jnp.einsum("nbd,ndf->nbf", xs, w["w_up"][block_expert])
+    out = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(gate) * up, w["w_down"][block_expert]).reshape(n_blocks * bsz, -1)
+    per = out[row].reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", per, gates.astype(per.dtype))
+
+
+def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Dropless dispatch: ragged_dot where the backend has grouped matmuls, blocks on CPU."""
+    if jax.default_backend() == "cpu":
+        return dropless_blocks(h, idx, gates, w)
+    return dropless_ragged(h, idx, gates, w)
 
 
 class Placement(NamedTuple):
@@ -166,7 +220,9 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
     return y, stats
 
 
-def moe_block(p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig, dispatch: str) -> tuple[jax.Array, dict, jax.Array]:
+def moe_block(
+    p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig, dispatch: str
+) -> tuple[jax.Array, dict, jax.Array]:
     """Shared experts + routed experts (in latent space when latent_dim > 0). x: [b, s, d].
 
     Returns the output, this layer's router/dispatch metrics and the bias for the next step.

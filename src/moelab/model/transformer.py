@@ -55,7 +55,7 @@ def init_params(m: ModelConfig, key: jax.Array) -> dict:
     names = sorted(shapes["layers"])
     keys = jax.random.split(key, len(names) + 2)
     layers = {}
-    for k, name in zip(keys, names):
+    for k, name in zip(keys[: len(names)], names, strict=True):
         shape = shapes["layers"][name]
         if name.endswith("_norm"):
             layers[name] = jnp.ones(shape, jnp.float32)
@@ -96,7 +96,7 @@ def forward(params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispat
     layer_metrics = []
     new_bias = []
     for i in range(m.n_layers):  # unrolled: local and global layers differ in window and kv heads
-        p = jax.tree.map(lambda a: a[i], params["layers"])
+        p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
         h = rms_norm(x, p["attn_norm"], m.norm_eps)
         x = x + attention(
             p,

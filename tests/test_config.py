@@ -1,0 +1,143 @@
+"""Configuration: presets, YAML, overrides, and one line naming the field for every refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from moelab.config import Config, ConfigError, config_from_dict, config_hash, load_config, replace
+from moelab.presets import PRESETS
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, Config) and cfg.name == name
+
+
+def test_hero_preset_has_marin_shape(marin):
+    m = load_config("marin-535b-a23b").model
+    h = marin["hero"]
+    assert (m.d_model, m.n_layers, m.n_heads, m.head_size) == (h["d_model"], h["layers"], h["heads"], h["head_dim"])
+    assert (m.kv_heads_local, m.n_kv_heads) == (h["kv_heads_local"], h["kv_heads_global"])
+    assert (m.n_routed, m.top_k, m.expert_dim, m.latent_dim) == (
+        h["routed_experts"],
+        h["top_k"],
+        h["expert_dim"],
+        h["latent_dim"],
+    )
+    assert (m.n_shared, m.shared_dim, m.vocab_size, m.seq_len) == (
+        h["shared_experts"],
+        h["shared_dim"],
+        h["vocab"],
+        h["seq_len"],
+    )
+    assert (
+        m.sliding_window == h["sliding_window"] and m.routed_scale == 2.5 and m.capacity_factor == h["capacity_factor"]
+    )
+    assert [m.is_global(i) for i in range(48)].count(True) == 12 and m.is_global(47)
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  d_model: 64\n  n_heads: 4\n  n_kv_heads: 2\ntrain:\n  lr: auto\n  steps: 7\n")
+    cfg = load_config(path, ["model.top_k=1", "train.lr=0.01", "data.sources=[a, b]"])
+    assert cfg.model.d_model == 64 and cfg.model.top_k == 1 and cfg.train.steps == 7
+    assert cfg.train.lr == 0.01 and cfg.data.sources == ("a", "b")
+    assert load_config(path).train.lr == "auto"
+
+
+def test_ints_widen_to_floats_and_hash_tracks_content():
+    a = load_config("tiny", ["model.capacity_factor=2"])
+    assert a.model.capacity_factor == 2.0 and isinstance(a.model.capacity_factor, float)
+    assert config_hash(a) == config_hash(load_config("tiny", ["model.capacity_factor=2.0"]))
+    assert config_hash(a) != config_hash(load_config("tiny"))
+
+
+def test_replace_validates():
+    cfg = load_config("tiny")
+    assert replace(cfg, model={"top_k": 3}).model.top_k == 3
+    with pytest.raises(ConfigError, match="model.top_k"):
+        replace(cfg, model={"top_k": 99})
+
+
+def test_frozen():
+    cfg = load_config("tiny")
+    with pytest.raises(AttributeError):
+        cfg.model.d_model = 3  # type: ignore[misc]
+
+
+BAD = [
+    ("model.d_modle=64", "model.d_modle"),  # unknown key
+    ("model.d_model=wide", "model.d_model"),  # wrong type
+    ("model.use_bias=true", "model.use_bias"),
+    ("model.n_heads=3", "model.n_heads"),  # heads not dividing d_model (128)
+    ("model.n_kv_heads=3", "model.n_kv_heads"),  # kv heads not dividing heads (4)
+    ("model.n_kv_heads_local=3", "model.n_kv_heads_local"),
+    ("model.top_k=9", "model.top_k"),  # top_k > routed experts (8)
+    ("model.capacity_factor=0", "model.capacity_factor"),
+    ("model.capacity_factor=-1", "model.capacity_factor"),
+    ("model.latent_dim=256", "model.latent_dim"),  # latent larger than d_model
+    ("model.sliding_window=512", "model.sliding_window"),  # window > seq_len (128)
+    ("model.router=relu", "model.router"),
+    ("model.dispatch=ragged", "model.dispatch"),
+    ("model.bias_update=yes", "model.bias_update"),
+    ("model.drop_order=random", "model.drop_order"),
+    ("model.rope_fraction=0", "model.rope_fraction"),
+    ("model.d_model=-8", "model.d_model"),
+    ("train.steps=0", "train.steps"),
+    ("train.lr=fast", "train.lr"),
+    ("train.batch_size=1.5", "train.batch_size"),
+    ("mesh.expert=3", "mesh.expert"),  # experts (8) not divisible by the expert axis
+    ("optim.lr=1", "optim.lr"),  # unknown section
+]
+
+
+@pytest.mark.parametrize("override,field", BAD, ids=[b[0] for b in BAD])
+def test_invalid_config_is_refused_with_one_line_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    assert len(info.value.errors) == 1, info.value.errors
+    assert info.value.errors[0].startswith(field), info.value.errors
+
+
+def test_several_problems_give_one_line_each():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"top_k": 99, "capacity_factor": 0, "nope": 1}})
+    lines = info.value.errors
+    assert any(x.startswith("model.nope") for x in lines)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"top_k": 99, "capacity_factor": 0.0}})
+    assert sorted(x.split(":")[0] for x in info.value.errors) == ["model.capacity_factor", "model.top_k"]
+
+
+@pytest.mark.parametrize("override,field", [BAD[0], BAD[1], BAD[6], BAD[9], BAD[20]])
+def test_cli_refuses_with_exit_code_2_and_one_line(override, field):
+    for command in ("config", "flops"):
+        res = run_cli(command, "tiny", "--set", override)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0], res.stderr
+        assert res.stdout == ""
+
+
+def test_cli_refuses_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: [1,\n")
+    res = run_cli("config", str(bad))
+    assert res.returncode == 2 and str(bad) in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = run_cli("config", str(tmp_path / "missing.yaml"))
+    assert res.returncode == 2 and "missing.yaml" in res.stderr
+    res = run_cli("config", "no-such-preset")
+    assert res.returncode == 2 and "no-such-preset" in res.stderr
+    res = run_cli("config", "tiny", "--set", "model.top_k")
+    assert res.returncode == 2 and "model.top_k" in res.stderr
+
+
+def test_cli_config_prints_the_resolved_config():
+    res = run_cli("config", "tiny", "--set", "model.top_k=3")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["model"]["top_k"] == 3 and len(out["hash"]) == 12

@@ -1,0 +1,170 @@
+"""The language model: attention against a loop reference, masks, losses, overfitting one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy.special import logsumexp
+
+from moelab.config import load_config
+from moelab.model import forward, init_params, init_state, loss_fn
+from moelab.model.layers import attention, rms_norm, rope
+from moelab.model.transformer import logits_of
+from reference import attention_reference, rope_reference
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rope_matches_pairwise_rotation(fraction):
+    x = np.random.default_rng(0).normal(size=(1, 5, 2, 8)).astype(np.float32)
+    out = rope(jnp.asarray(x), jnp.arange(5), fraction, 100.0)
+    np.testing.assert_allclose(out, rope_reference(x, fraction, 100.0), atol=1e-5)
+    # rotation keeps each pair's length
+    np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "window,kv_alloc,kv,fraction",
+    [(0, 2, 2, 1.0), (3, 2, 2, 0.5), (0, 4, 1, 1.0), (4, 4, 2, 0.5)],
+)
+def test_attention_matches_loop_reference(window, kv_alloc, kv, fraction):
+    d, heads, hd, s = 16, 4, 4, 7
+    rng = np.random.default_rng(1)
+    p = {
+        "wq": rng.normal(size=(d, heads * hd)) / 4,
+        "wk": rng.normal(size=(d, kv_alloc * hd)) / 4,
+        "wv": rng.normal(size=(d, kv_alloc * hd)) / 4,
+        "wo": rng.normal(size=(heads * hd, d)) / 4,
+    }
+    x = rng.normal(size=(2, s, d))
+    kw = dict(n_heads=heads, head_dim=hd, window=window, rope_fraction=fraction, rope_theta=1000.0)
+    fast = attention(
+        {k: jnp.asarray(v, jnp.float32) for k, v in p.items()},
+        jnp.asarray(x, jnp.float32),
+        n_kv_alloc=kv_alloc,
+        n_kv=kv,
+        eps=1e-6,
+        **kw,
+    )
+    np.testing.assert_allclose(fast, attention_reference(p, x, n_kv=kv, **kw), atol=2e-5, rtol=1e-4)
+
+
+def small_lm(**model):
+    base = dict(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        seq_len=16,
+        n_routed=4,
+        top_k=2,
+        expert_dim=16,
+        shared_dim=16,
+        dispatch="dropless",
+    )
+    base.update(model)
+    m = load_config({"model": base}).model
+    return m, init_params(m, jax.random.PRNGKey(0)), init_state(m)
+
+
+def test_causal_and_windowed():
+    """A later token never changes an earlier output; in one windowed layer, nothing beyond the window does."""
+    m, p, st = small_lm(n_layers=2, sliding_window=4, global_every=0)
+    assert [m.is_global(i) for i in range(2)] == [False, True]  # the last layer is always global
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 16), 0, 64)
+    changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 64)
+    h1, h2 = forward(p, st, tokens, m)[0], forward(p, st, changed, m)[0]
+    np.testing.assert_array_equal(h1[0, :10], h2[0, :10])
+    assert not np.allclose(h1[0, 10:], h2[0, 10:])
+
+    # the local layer's attention alone: window 4 hides position 10 from positions >= 14
+    lp = jax.tree.map(lambda a: a[0], p["layers"])
+    x1 = rms_norm(p["embed"][tokens], lp["attn_norm"])
+    x2 = rms_norm(p["embed"][changed], lp["attn_norm"])
+    kw = dict(n_heads=4, n_kv_alloc=2, n_kv=2, head_dim=8, window=4, rope_fraction=1.0, rope_theta=1e4, eps=1e-6)
+    a1, a2 = attention(lp, x1, **kw), attention(lp, x2, **kw)
+    np.testing.assert_array_equal(a1[0, 14:], a2[0, 14:])
+    assert not np.allclose(a1[0, 10:14], a2[0, 10:14])
+
+
+def test_loss_terms_match_their_formulas():
+    m, p, st = small_lm(logit_z_loss=0.5, aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 17), 0, 64)
+    loss, (metrics, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m)
+    hidden = forward(p, st, tokens[:, :-1], m)[0]
+    logits = np.asarray(logits_of(p, hidden), np.float64)
+    lse = logsumexp(logits, axis=-1)
+    target = np.take_along_axis(logits, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
+    ce = np.mean(lse - target)
+    assert float(metrics["ce"]) == pytest.approx(ce, rel=1e-5)
+    assert float(metrics["logit_z"]) == pytest.approx(np.mean(lse**2), rel=1e-5)
+    assert float(loss) == pytest.approx(ce + 0.5 * np.mean(lse**2), rel=1e-5)
+
+    m2 = dataclasses.replace(m, aux_loss_coef=0.1, router_z_loss_coef=0.01)
+    loss2, (met2, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m2)
+    expected = (
+        float(loss)
+        + 0.1 * float(np.mean(met2["layers"]["aux_loss"]))
+        + 0.01 * float(np.mean(met2["layers"]["router_z"]))
+    )
+    assert float(loss2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_eval_dispatch_runs_dropless():
+    m, p, st = small_lm(dispatch="capacity", capacity_factor=0.5, eval_dispatch="dropless")
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 17), 0, 64)
+    _, (train_m, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m, train=True)
+    _, (eval_m, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m, train=False)
+    assert float(jnp.min(train_m["layers"]["dropped_frac"])) > 0
+    assert float(jnp.max(eval_m["layers"]["dropped_frac"])) == 0
+
+
+def test_metrics_per_layer_have_their_shapes():
+    m, p, st = small_lm(router="sigmoid", bias_update="quantile", dispatch="spill", capacity_factor=1.0)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 17), 0, 64)
+    _, (metrics, new_state) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m)
+    lay = metrics["layers"]
+    for key in ("dropped_frac", "spilled_frac", "max_mean_load", "router_entropy", "router_z", "bias_mean", "bias_std"):
+        assert lay[key].shape == (2,), key
+    assert lay["tokens_per_expert"].shape == (2, 4) and lay["expert_load"].shape == (2, 4)
+    # every assignment is either computed somewhere or dropped
+    total = 2 * 16 * 2
+    np.testing.assert_allclose(lay["tokens_per_expert"].sum(1), total * (1 - lay["dropped_frac"]), rtol=1e-6)
+    np.testing.assert_allclose(lay["expert_load"].sum(1), total)
+    assert new_state["router_bias"].shape == (2, 4) and float(jnp.abs(new_state["router_bias"]).sum()) > 0
+
+
+def test_bf16_compute_is_close_to_fp32():
+    m, p, st = small_lm()
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 17), 0, 64)
+    l32 = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m)[0]
+    l16 = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], dataclasses.replace(m, compute_dtype="bfloat16"))[0]
+    assert np.isfinite(float(l16)) and float(l16) == pytest.approx(float(l32), rel=2e-2)
+
+
+def test_tiny_overfits_one_batch():
+    cfg = load_config("tiny")
+    m = cfg.model
+    params, state = init_params(m, jax.random.PRNGKey(0)), init_state(m)
+    batch = jax.random.randint(jax.random.PRNGKey(6), (8, m.seq_len + 1), 0, m.vocab_size)
+    opt = optax.adam(3e-3)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, opt_state):
+        (loss, (_, state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, state, batch[:, :-1], batch[:, 1:], m
+        )
+        updates, opt_state = opt.update(grads, opt_state)
+        return optax.apply_updates(params, updates), state, opt_state, loss
+
+    losses = []
+    for _ in range(40):
+        params, state, opt_state, loss = step(params, state, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
