@@ -23,3 +23,40 @@ def marin() -> dict:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moelab", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Token stores built by tests go to a temporary cache, shared by the session."""
+    import os
+
+    os.environ["MOELAB_CACHE"] = str(tmp_path_factory.mktemp("moelab_cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    """Two small domains made from the standard library: a directory of code and a jsonl of prose."""
+    import sysconfig
+    from pydoc_data.topics import topics
+
+    root = tmp_path_factory.mktemp("corpus")
+    code = root / "code"
+    code.mkdir()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap", "fnmatch", "glob", "bisect", "heapq", "colorsys", "shlex", "string", "queue", "sched"):
+        (code / f"{name}.py").write_text((lib / f"{name}.py").read_text())
+    prose = root / "prose.jsonl"
+    with open(prose, "w") as fh:
+        for key in sorted(topics)[:60]:
+            fh.write(json.dumps({"text": topics[key], "topic": key}) + "\n")
+    return {"root": root, "code": str(code), "prose": str(prose)}
+
+
+# a model small enough that a subprocess run of 30 steps takes seconds
+MICRO = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.n_kv_heads_local=2",
+    "model.seq_len=32", "model.sliding_window=16", "model.vocab_size=512", "model.expert_dim=32",
+    "model.latent_dim=32", "model.shared_dim=32", "train.batch_size=4", "train.log_every=1",
+    "train.eval_tokens=256", "train.checkpoint_every=10", "train.peak_flops=1e11",
+]  # fmt: skip

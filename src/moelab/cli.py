@@ -88,6 +88,114 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_config(args: argparse.Namespace):
+    from moelab.config import replace
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    cfg = load_config(args.config, overrides)
+    if args.data:
+        cfg = replace(cfg, data={"sources": tuple(args.data)})
+    return cfg
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    out = [args.config, "--out", args.out]
+    if args.steps is not None:
+        out += ["--steps", str(args.steps)]
+    if args.seed is not None:
+        out += ["--seed", str(args.seed)]
+    for d in args.data or []:
+        out += ["--data", d]
+    for o in args.overrides:
+        out += ["--set", o]
+    for t in args.tracker or []:
+        out += ["--tracker", t]
+    if args.resume:
+        out.append("--resume")
+    if args.quiet:
+        out.append("--quiet")
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\nrun: {summary['run']}  (config.json, metrics.jsonl, events.jsonl, summary.json, ckpt/)")
+    if "final_eval" in summary:
+        first, final = summary["first_eval"], summary["final_eval"]
+        print(f"  {'held-out domain':<16} {'loss at 0':>10} {'final loss':>11} {'dropless':>9} {'bits/byte':>10}")
+        for d in final["loss"]:
+            print(
+                f"  {d:<16} {first['loss'][d]:>10.4f} {final['loss'][d]:>11.4f} {final['loss_dropless'][d]:>9.4f}"
+                f" {final['bpb'][d]:>10.4f}"
+            )
+    if "final_loss" in summary:
+        print(
+            f"  final train loss {summary['final_loss']:.4f}; dropped {summary['dropped_frac']:.4f} and spilled "
+            f"{summary['spilled_frac']:.4f} of assignments; {summary['tokens_per_s']:,.0f} tokens/s; "
+            f"MFU {summary['mfu']:.1%} of the measured matmul peak"
+        )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)  # refuse a bad config before anything starts
+    if args.max_restarts:
+        from moelab.train.supervise import supervise
+
+        return supervise(_child_args(args), args.out, args.max_restarts)
+    from moelab.train.loop import train
+    from moelab.train.trackers import make_trackers
+
+    summary = train(
+        cfg,
+        args.out,
+        resume=args.resume,
+        progress=not args.quiet,
+        trackers=make_trackers(args.tracker or [], cfg, args.out),
+    )
+    print_summary(summary)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json as _json
+
+    from moelab.data.store import build_store
+    from moelab.train import checkpoint, optim
+    from moelab.train.evaluate import Evaluator
+    from moelab.train.loop import load_run_config
+    from moelab.train.record import RunDir
+    from moelab.train.step import init_train_state
+
+    run = RunDir(args.run_dir)
+    cfg = load_run_config(run.path)
+    saved = checkpoint.steps(run.ckpt)
+    if not saved:
+        raise UsageError(f"{run.ckpt}: no complete checkpoint to evaluate")
+    step = saved[-1] if args.checkpoint is None else args.checkpoint
+    if step not in saved:
+        raise UsageError(f"--checkpoint: no checkpoint at step {step} (have: {', '.join(map(str, saved))})")
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=not args.json)
+    opt = optim.make_optimizer(cfg, optim.hyper(cfg))
+    state, _ = checkpoint.restore(run.ckpt, step, init_train_state(cfg, opt))
+    res = {"step": step, **Evaluator(cfg, store)(state["params"], state["model_state"])}
+    (run.path / "evals").mkdir(exist_ok=True)
+    (run.path / "evals" / f"step_{step:08d}.json").write_text(_json.dumps(res, indent=1))
+    if args.json:
+        print(_json.dumps(res, indent=1))
+        return 0
+    print(f"{run.path} at step {step}")
+    print(f"  {'domain':<16} {'loss':>8} {'bits/byte':>10} {'dropless':>9} {'bits/byte':>10}")
+    for d in res["loss"]:
+        print(
+            f"  {d:<16} {res['loss'][d]:>8.4f} {res['bpb'][d]:>10.4f} {res['loss_dropless'][d]:>9.4f}"
+            f" {res['bpb_dropless'][d]:>10.4f}"
+        )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -113,6 +221,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the named configs")
     p.set_defaults(func=cmd_presets)
 
+    p = sub.add_parser("train", help="train a model; writes config, metrics, events and checkpoints to --out")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="the run directory")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument(
+        "--data",
+        action="append",
+        metavar="SOURCE",
+        help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument(
+        "--tracker",
+        action="append",
+        choices=["wandb", "tensorboard"],
+        help="also mirror metrics to this tracker (repeatable)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart a training process that dies, from its newest checkpoint, up to N times",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="held-out loss and bits per byte of a run's checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
     p = sub.add_parser("demo", help="the accounting of Marin's run and a pass through the tiny MoE")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps on stdlib text after the first pass")
     p.set_defaults(func=cmd_demo)
@@ -131,6 +273,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"moelab: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        from moelab.data.sources import DataError
+        from moelab.train.loop import RunError, RunRefused
+
+        if isinstance(exc, (DataError, RunRefused)):
+            print(f"moelab: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, RunError):
+            print(f"moelab: {exc}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":

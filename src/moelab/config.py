@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -126,7 +127,17 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
+    muon_lr_ratio: float = 13 / 3  # Muon's rate over Adam's (Marin)
+    decay_frac: float = 0.2  # WSD: the last fraction of the run decays
     log_every: int = 10
+    eval_every: int = 0  # 0 = every 5% of the run (and step 0 and the end)
+    eval_tokens: int = 8192  # held-out tokens per domain per evaluation
+    checkpoint_every: int = 100
+    keep_last: int = 2  # newest checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint at a multiple of this step for good (0 = none)
+    nan_patience: int = 3  # non-finite steps in a row before restoring the last checkpoint
+    peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
+    poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,13 @@ class DataConfig:
     tokenizer: str = ""  # path to a tokenizer.json; "" = train a byte-level BPE
     text_field: str = "text"
     held_out_fraction: float = 0.02
+    max_bytes_per_domain: int = 0  # 0 = every document; otherwise stop adding documents past this
+    # mixture: one weight mapping per phase (empty = each domain in proportion to its tokens;
+    # a single mapping applies to every phase); phases start at these fractions of the run
+    mixture: tuple[dict[str, float], ...] = ()
+    phase_starts: tuple[float, ...] = (0.0, 0.8)
+    epoch_cap: float = 4.0  # most passes over any domain's training tokens
+    epoch_cap_action: str = "refuse"  # refuse | warn
 
 
 @dataclass(frozen=True)
@@ -169,10 +187,15 @@ def _type_name(tp: Any) -> str:
         return "a string"
     origin = typing.get_origin(tp)
     if origin is tuple:
-        return "a list of strings"
+        return f"a list, each item {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping of names to numbers"
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     return str(tp)
+
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -183,6 +206,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str) and _NUMBER.match(value.strip()):  # YAML 1.1 reads 1e11 as a string
             return True, float(value)
         return False, value
     if tp is str:
@@ -201,6 +226,17 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
                 return False, value
             out.append(v2)
         return True, tuple(out)
+    if origin is dict:
+        _, inner = typing.get_args(tp)
+        if not isinstance(value, dict):
+            return False, value
+        conv = {}
+        for k, v in value.items():
+            ok, v2 = _coerce(v, inner)
+            if not ok or not isinstance(k, str):
+                return False, value
+            conv[k] = v2
+        return True, conv
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             ok, v2 = _coerce(value, arg)
@@ -254,7 +290,8 @@ def config_from_dict(data: dict, *, source: str = "config") -> Config:
 
 def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
-    out["data"]["sources"] = list(out["data"]["sources"])
+    for key in ("sources", "mixture", "phase_starts"):
+        out["data"][key] = list(out["data"][key])
     return out
 
 
@@ -422,7 +459,7 @@ def _check_model(m: ModelConfig) -> list[str]:
 
 def _check_train(t: TrainConfig) -> list[str]:
     e: list[str] = []
-    for n in ("steps", "batch_size", "log_every"):
+    for n in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last", "eval_tokens", "nan_patience"):
         if getattr(t, n) <= 0:
             e.append(f"train.{n}: must be > 0, got {getattr(t, n)}")
     if isinstance(t.lr, str):
@@ -438,9 +475,13 @@ def _check_train(t: TrainConfig) -> list[str]:
         e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    for n in ("weight_decay", "grad_clip"):
+    for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
         if getattr(t, n) < 0:
             e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
+    if not 0.0 <= t.decay_frac <= 1.0:
+        e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
+    if t.muon_lr_ratio <= 0:
+        e.append(f"train.muon_lr_ratio: must be > 0, got {t.muon_lr_ratio}")
     for n in ("beta1", "beta2"):
         if not 0.0 <= getattr(t, n) < 1.0:
             e.append(f"train.{n}: must be in [0, 1), got {getattr(t, n)}")
@@ -453,6 +494,22 @@ def _check_data(d: DataConfig) -> list[str]:
         e.append("data.sources: name at least one source (a path or 'stdlib')")
     if not 0.0 <= d.held_out_fraction < 1.0:
         e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
+    if d.max_bytes_per_domain < 0:
+        e.append(f"data.max_bytes_per_domain: must be >= 0, got {d.max_bytes_per_domain}")
+    starts = list(d.phase_starts)
+    if not starts or starts[0] != 0.0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or starts[-1] >= 1.0:
+        e.append(f"data.phase_starts: must start at 0.0 and rise below 1.0, got {starts}")
+    if len(d.mixture) not in (0, 1, len(starts)):
+        e.append(
+            f"data.mixture: {len(d.mixture)} phases of weights for {len(starts)} data.phase_starts; give 1 or {len(starts)}"
+        )
+    for i, weights in enumerate(d.mixture):
+        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+            e.append(f"data.mixture[{i}]: weights must be >= 0 with a positive sum, got {weights}")
+    if d.epoch_cap <= 0:
+        e.append(f"data.epoch_cap: must be > 0, got {d.epoch_cap}")
+    if d.epoch_cap_action not in ("refuse", "warn"):
+        e.append(f"data.epoch_cap_action: must be refuse or warn, got {d.epoch_cap_action!r}")
     return e
 
 

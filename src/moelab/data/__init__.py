@@ -1,0 +1,1 @@
+"""Data: sources -> tokenizer -> token store -> phased mixture -> batches."""

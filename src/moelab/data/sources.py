@@ -1,0 +1,208 @@
+"""Data sources: each source is one or more domains of documents.
+
+A source is a directory (text files, recursively), a ``.jsonl`` / ``.jsonl.gz`` file, a
+``.parquet`` file, or ``stdlib``: the running interpreter's standard library, as three domains
+(library code, its test suite, and the prose of ``pydoc_data``). Bad input raises DataError
+with one line that names the file (and line).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".markdown", ".tex", ".html", ".c", ".h", ".js", ".toml")
+STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
+TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+class DataError(ValueError):
+    """Input data the user can fix; the message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Document:
+    domain: str
+    doc_id: str  # stable within its source: relative path, or path:line, or path#row
+    text: str
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str  # as the user wrote it
+    kind: str  # stdlib | dir | jsonl | parquet
+    path: Path | None
+    domains: tuple[str, ...]
+
+
+def _domain_name(path: Path) -> str:
+    name = path.name
+    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def resolve(specs: tuple[str, ...] | list[str]) -> list[Source]:
+    """Check that every source exists and has a known form; name its domains (unique)."""
+    out: list[Source] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if spec == "stdlib":
+            src = Source(spec, "stdlib", stdlib_root(), STDLIB_DOMAINS)
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists():
+                raise DataError(f"{spec}: no such file or directory")
+            if path.is_dir():
+                kind = "dir"
+            elif path.name.endswith((".jsonl", ".jsonl.gz")):
+                kind = "jsonl"
+            elif path.name.endswith(".parquet"):
+                kind = "parquet"
+            else:
+                raise DataError(f"{spec}: not a directory, .jsonl, .jsonl.gz or .parquet file")
+            src = Source(spec, kind, path, (_domain_name(path.resolve()),))
+        for d in src.domains:
+            if d in seen:
+                raise DataError(f"{spec}: domain {d!r} is already named by another source; rename one")
+            seen.add(d)
+        out.append(src)
+    return out
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files() -> list[tuple[str, Path]]:
+    root = stdlib_root()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("site-packages", "dist-packages") or "__pycache__" in rel.parts:
+            continue
+        if rel.parts[0] == "pydoc_data":
+            continue
+        domain = "stdlib-tests" if TEST_DIRS.intersection(rel.parts[:-1]) else "stdlib-code"
+        files.append((domain, path))
+    return files
+
+
+def _pydoc_topics() -> dict[str, str]:
+    try:
+        from pydoc_data.topics import topics  # prose of the language reference, in every CPython
+    except ImportError:  # pragma: no cover - stripped Python builds
+        return {}
+    return dict(sorted(topics.items()))
+
+
+def _iter_stdlib() -> Iterator[Document]:
+    root = stdlib_root()
+    for domain, path in _stdlib_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # the test suite ships files in other encodings on purpose
+        yield Document(domain, str(path.relative_to(root)), text)
+    for name, text in _pydoc_topics().items():
+        yield Document("stdlib-docs", f"pydoc_data/topics/{name}", text)
+
+
+def _text_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+
+
+def _iter_dir(src: Source) -> Iterator[Document]:
+    assert src.path is not None
+    files = _text_files(src.path)
+    if not files:
+        raise DataError(f"{src.spec}: no text files ({' '.join(TEXT_SUFFIXES)}) in this directory")
+    for path in files:
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not valid UTF-8 at byte {exc.start}; convert or remove the file") from None
+        yield Document(src.domains[0], str(path.relative_to(src.path)), text)
+
+
+def _iter_jsonl(src: Source, field: str) -> Iterator[Document]:
+    assert src.path is not None
+    opener = gzip.open if src.path.name.endswith(".gz") else open
+    try:
+        with opener(src.path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise DataError(f"{src.path}:{lineno}: not valid JSON") from None
+                if not isinstance(obj, dict) or field not in obj:
+                    raise DataError(f"{src.path}:{lineno}: no {field!r} field (set data.text_field)")
+                if not isinstance(obj[field], str):
+                    raise DataError(f"{src.path}:{lineno}: field {field!r} is not a string")
+                yield Document(src.domains[0], f"{src.path.name}:{lineno}", obj[field])
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{src.path}: cannot be read ({type(exc).__name__}: {exc}); is it truncated?") from None
+
+
+def _iter_parquet(src: Source, field: str) -> Iterator[Document]:
+    assert src.path is not None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(src.path, columns=[field])
+    except (pa.ArrowInvalid, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if field in msg and "No match for FieldRef" in msg:
+            raise DataError(f"{src.path}: no column {field!r} (set data.text_field)") from None
+        raise DataError(f"{src.path}: not a readable parquet file ({msg}); is it truncated?") from None
+    column = table.column(0)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{src.path}: column {field!r} is {column.type}, not text")
+    for row, text in enumerate(column.to_pylist()):
+        if text is not None:
+            yield Document(src.domains[0], f"{src.path.name}#{row}", text)
+
+
+def iter_documents(src: Source, text_field: str = "text") -> Iterator[Document]:
+    if src.kind == "stdlib":
+        yield from _iter_stdlib()
+    elif src.kind == "dir":
+        yield from _iter_dir(src)
+    elif src.kind == "jsonl":
+        yield from _iter_jsonl(src, text_field)
+    else:
+        yield from _iter_parquet(src, text_field)
+
+
+def fingerprint(src: Source) -> list:
+    """What identifies a source's content without reading it: paths, sizes and mtimes."""
+    if src.kind == "stdlib":
+        files = [p for _, p in _stdlib_files()]
+        import sys
+
+        return [sys.version, len(files), sum(p.stat().st_size for p in files)]
+    assert src.path is not None
+    files = _text_files(src.path) if src.kind == "dir" else [src.path]
+    return [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+
+
+def is_held_out(domain: str, doc_id: str, fraction: float) -> bool:
+    """A document's split is a hash of its name: stable across runs, machines and file order."""
+    digest = hashlib.sha256(f"{domain}\0{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOELAB_CACHE", ".moelab_cache"))

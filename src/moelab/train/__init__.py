@@ -1,0 +1,1 @@
+"""Training: optimiser and schedule, train step and loop, checkpoints, metrics, evaluation."""

@@ -1,0 +1,281 @@
+"""The training loop: data, step, metrics, evals, checkpoints, the NaN guard and exact resume.
+
+Batches are a pure function of (seed, step), the state is checkpointed with the metrics cursor,
+so a run resumed from a checkpoint writes exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from moelab import accounting
+from moelab.config import Config, config_from_dict, config_hash, to_dict
+from moelab.data.mixture import batch_at, build_mixture
+from moelab.data.store import build_store
+from moelab.train import checkpoint, optim
+from moelab.train.evaluate import Evaluator
+from moelab.train.record import RunDir, append_jsonl, enable_compile_cache, git_state, host, matmul_peak, versions
+from moelab.train.step import init_train_state, make_train_step
+
+FAULT_ENV = "MOELAB_TEST_FAULTS"  # testing aid: "kill@STEP,kill_in_save@STEP", each fires once per run
+
+
+class RunError(Exception):
+    """A run that cannot go on (exit code 3); the message says why and what was kept."""
+
+
+class RunRefused(ValueError):
+    """A run the user asked for that cannot start as asked (exit code 2)."""
+
+
+def eval_points(cfg: Config, steps: int) -> set[int]:
+    every = cfg.train.eval_every
+    if every:
+        points = set(range(0, steps + 1, every))
+    else:
+        points = {int(round(k * steps / 20)) for k in range(21)}
+    return points | {0, steps}
+
+
+def _fault_hook(run: RunDir):
+    spec = os.environ.get(FAULT_ENV, "")
+    faults = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        kind, _, at = item.partition("@")
+        faults.append((kind, int(at)))
+    if not faults:
+        return None
+    fired_path = run.path / "faults_fired.json"
+
+    def hook(point: str, step: int) -> None:
+        fired = json.loads(fired_path.read_text()) if fired_path.exists() else []
+        for kind, at in faults:
+            if at == step and [kind, at] not in fired and kind == {"step": "kill", "in_save": "kill_in_save"}[point]:
+                fired.append([kind, at])
+                fired_path.write_text(json.dumps(fired))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def load_run_config(run_dir: str | Path) -> Config:
+    run = RunDir(run_dir)
+    if not run.config.exists():
+        raise RunRefused(f"{run_dir}: no config.json; is this a run directory?")
+    return config_from_dict(json.loads(run.config.read_text())["config"], source=str(run.config))
+
+
+def _check_resume(run: RunDir, cfg: Config, resume: bool) -> None:
+    if not run.config.exists():
+        return
+    if not resume:
+        raise RunRefused(f"{run.path}: already holds a run; pass --resume to continue it, or choose another --out")
+    saved = json.loads(run.config.read_text())
+    if saved["hash"] != config_hash(cfg):
+        old, new = saved["config"], to_dict(cfg)
+        diff = [
+            f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]
+        ]
+        raise RunRefused(
+            f"{run.path}: the config differs from the run's ({', '.join(diff) or 'name'}); resume with the same config"
+        )
+
+
+def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
+    rec = {"kind": "train", "step": done, "tokens": done * cfg.train.batch_size * cfg.model.seq_len}
+    rec.update({k: v for k, v in m.items() if k != "finite"})
+    rec.update(extra)
+    return rec
+
+
+def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool = True, trackers=()) -> dict:
+    """Train ``cfg`` into ``out``; returns the summary (also written to summary.json)."""
+    from tqdm import tqdm
+
+    run = RunDir(out)
+    _check_resume(run, cfg, resume)
+    enable_compile_cache()
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
+    mixture = build_mixture(cfg, store)
+    steps, b, s_len = cfg.train.steps, cfg.train.batch_size, cfg.model.seq_len
+    run.path.mkdir(parents=True, exist_ok=True)
+    if not run.config.exists():
+        run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
+
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    start, skip, cursor_ok = 0, set(), False
+    saved = checkpoint.steps(run.ckpt)
+    if resume and saved:
+        state, meta = checkpoint.restore(run.ckpt, saved[-1], state)
+        start, skip = meta["step"], set(meta["skip_steps"])
+        run.truncate_metrics(meta["metrics_cursor"])
+        cursor_ok = True
+        run.event("resume", step=start, checkpoint=saved[-1])
+    elif resume and run.metrics.exists():
+        run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
+        run.event("resume", step=0, checkpoint=None)
+    run.event(
+        "launch",
+        config_hash=config_hash(cfg),
+        git=git_state(),
+        versions=versions(),
+        host=host(),
+        devices=[str(d) for d in jax.devices()],
+        start_step=start,
+        store=store.manifest["key"],
+        domains=store.domains,
+        epochs=mixture.epochs,
+    )
+    fault = _fault_hook(run)
+    step_fn = make_train_step(cfg, opt, h)
+    evaluator = Evaluator(cfg, store)
+    peak = cfg.train.peak_flops or matmul_peak()
+    flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
+    evals = eval_points(cfg, steps)
+    poison = set(cfg.train.poison_steps)
+
+    def do_eval(done: int) -> dict:
+        t0 = time.perf_counter()
+        res = evaluator(state["params"], state["model_state"])
+        rec = {
+            "kind": "eval",
+            "step": done,
+            "tokens": done * b * s_len,
+            **res,
+            "eval_seconds": time.perf_counter() - t0,
+        }
+        append_jsonl(run.metrics, rec)
+        for t in trackers:
+            t.log(rec)
+        run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
+        return rec
+
+    def do_checkpoint(done: int) -> None:
+        meta = {
+            "step": done,
+            "metrics_cursor": run.metrics_cursor(),
+            "skip_steps": sorted(skip),
+            "config_hash": config_hash(cfg),
+            "seed": cfg.train.seed,
+            "time": time.time(),
+        }
+        path = checkpoint.save(run.ckpt, done, state, meta, cfg.train.keep_last, cfg.train.keep_every, fault)
+        run.event("checkpoint", step=done, path=str(path.relative_to(run.path)))
+
+    try:
+        if start == 0 and not cursor_ok:
+            do_eval(0)
+        bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=None if progress else True)
+        consecutive, restored, interval_t, interval_steps, warm = 0, False, 0.0, 0, False
+        s = start
+        while s < steps:
+            if fault:
+                fault("step", s)
+            if s in skip:
+                s += 1
+                bar.update(1)
+                continue
+            batch, _ = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, batch, np.int32(s), np.bool_(s in poison))
+            finite = bool(metrics["finite"])
+            if warm:  # the first step in a process compiles; it is not timed
+                interval_t += time.perf_counter() - t0
+                interval_steps += 1
+            warm = True
+            if not finite:
+                consecutive += 1
+                run.event("nan_skip", step=s, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]))
+                if consecutive >= cfg.train.nan_patience:
+                    ckpts = checkpoint.steps(run.ckpt)
+                    bad = list(range(s - consecutive + 1, s + 1))
+                    if restored or not ckpts:
+                        why = "again after a restore" if restored else "and there is no checkpoint to restore"
+                        raise RunError(
+                            f"NaN guard: {consecutive} non-finite steps in a row (steps {bad[0]}-{bad[-1]}) {why}; "
+                            f"stopping. Checkpoints and metrics are kept in {run.path}"
+                        )
+                    state, meta = checkpoint.restore(run.ckpt, ckpts[-1], state)
+                    skip.update(bad)
+                    skip.update(meta["skip_steps"])
+                    run.truncate_metrics(meta["metrics_cursor"])
+                    run.event("nan_restore", at_step=s, restored_step=ckpts[-1], skipping=bad)
+                    bar.update(ckpts[-1] - (s + 1))
+                    s, consecutive, restored = ckpts[-1], 0, True
+                    continue
+            else:
+                consecutive = 0
+            s += 1
+            bar.update(1)
+            done = s
+            if done % cfg.train.log_every == 0 or done == steps:
+                m = jax.device_get(metrics)
+                tps = interval_steps * b * s_len / interval_t if interval_steps else float("nan")
+                rec = _train_record(
+                    done,
+                    cfg,
+                    m,
+                    {
+                        "tokens_per_s": tps,
+                        "step_time": interval_t / interval_steps if interval_steps else float("nan"),
+                        "mfu": tps * flops_per_token / peak,
+                        "phase": mixture.phase_at(done - 1),
+                    },
+                )
+                append_jsonl(run.metrics, rec)
+                for t in trackers:
+                    t.log(rec)
+                bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
+                interval_t, interval_steps = 0.0, 0
+            if done in evals:
+                do_eval(done)
+            if done % cfg.train.checkpoint_every == 0 or done == steps:
+                do_checkpoint(done)
+                restored = False
+        bar.close()
+    except RunError as exc:
+        run.event("failure", error=str(exc))
+        raise
+    except BaseException as exc:
+        run.event("failure", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+    finally:
+        for t in trackers:
+            t.close()
+
+    summary = summarize(run, cfg, peak)
+    run.summary.write_text(json.dumps(summary, indent=1))
+    run.event("end", step=steps, summary=summary)
+    return summary
+
+
+def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:
+    recs = [json.loads(x) for x in run.metrics.read_text().splitlines() if x.strip()]
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    eval_recs = [r for r in recs if r["kind"] == "eval"]
+    out = {"run": str(run.path), "steps": cfg.train.steps}
+    if train_recs:
+        tail = train_recs[-max(1, len(train_recs) // 4) :]
+        out.update(
+            final_loss=train_recs[-1]["loss"],
+            dropped_frac=float(np.mean([r["dropped_frac"] for r in tail])),
+            spilled_frac=float(np.mean([r["spilled_frac"] for r in tail])),
+            tokens_per_s=float(np.nanmedian([r["tokens_per_s"] for r in tail])),
+            mfu=float(np.nanmedian([r["mfu"] for r in tail])),
+        )
+    if eval_recs:
+        out["first_eval"] = {"loss": eval_recs[0]["loss"], "bpb": eval_recs[0]["bpb"]}
+        out["final_eval"] = {k: eval_recs[-1][k] for k in ("loss", "bpb", "loss_dropless", "bpb_dropless")}
+    if peak:
+        out["peak_flops"] = peak
+    return out

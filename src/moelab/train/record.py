@@ -1,0 +1,138 @@
+"""What a run leaves on disk: config.json, metrics.jsonl, events.jsonl, ckpt/.
+
+events.jsonl is append-only: launches, checkpoints, evals, skips, restores, resumes, failures,
+the end. metrics.jsonl holds the surviving trajectory: on a resume or restore it is cut back to
+the checkpoint's cursor, so a resumed run's metrics equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = self.path / "config.json"
+        self.metrics = self.path / "metrics.jsonl"
+        self.events = self.path / "events.jsonl"
+        self.ckpt = self.path / "ckpt"
+        self.summary = self.path / "summary.json"
+
+    def event(self, kind: str, **fields) -> dict:
+        rec = {"time": time.time(), "event": kind, **fields}
+        append_jsonl(self.events, rec)
+        return rec
+
+    def read_events(self) -> list[dict]:
+        return read_jsonl(self.events)
+
+    def metrics_cursor(self) -> int:
+        return self.metrics.stat().st_size if self.metrics.exists() else 0
+
+    def truncate_metrics(self, cursor: int) -> None:
+        if self.metrics.exists() and self.metrics.stat().st_size > cursor:
+            with open(self.metrics, "r+b") as fh:
+                fh.truncate(cursor)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__array__"):
+        arr = np.asarray(x)
+        return arr.item() if arr.ndim == 0 else arr.tolist()
+    return x
+
+
+def append_jsonl(path: Path, rec: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(_jsonable(rec), allow_nan=True) + "\n"
+    with open(path, "a") as fh:
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write
+                continue
+    return out
+
+
+def git_state() -> dict:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0:
+            return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"commit": None, "dirty": None}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("moelab", "jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def host() -> dict:
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "pid": os.getpid(),
+    }
+
+
+def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3) -> float:
+    """Best fp32 FLOP/s of a square matmul over a few sizes: the machine's own peak for MFU."""
+    import jax
+    import jax.numpy as jnp
+
+    best = 0.0
+    for n in sizes:
+        a = jnp.ones((n, n), jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(a).block_until_ready()
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def enable_compile_cache() -> None:
+    """Keep compiled XLA programs on disk (MOELAB_CACHE/jax): a rerun or resume skips most compiling."""
+    import jax
+
+    from moelab.data.sources import cache_root
+
+    path = cache_root() / "jax"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path.absolute()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,83 @@
+"""The jitted train step (donated state) and the evaluation step.
+
+A step whose loss or gradients are not finite changes nothing: parameters, optimiser state and
+router biases stay as they were, and ``finite`` is False in its metrics.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moelab.config import Config
+from moelab.model import init_params, init_state, loss_fn
+from moelab.model.transformer import forward, logits_of
+from moelab.train import optim
+
+
+def init_train_state(cfg: Config, opt: optax.GradientTransformation) -> dict:
+    params = init_params(cfg.model, jax.random.PRNGKey(cfg.train.seed))
+    return {"params": params, "opt_state": opt.init(params), "model_state": init_state(cfg.model)}
+
+
+def _layer_summary(layers: dict) -> dict:
+    """Per-layer lists and their means for the metrics line."""
+    out = {}
+    for key in ("dropped_frac", "spilled_frac", "max_mean_load", "router_entropy", "router_z", "bias_mean", "bias_std"):
+        out[key] = jnp.mean(layers[key])
+        out[f"{key}_per_layer"] = layers[key]
+    out["expert_load"] = layers["expert_load"]
+    return out
+
+
+def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper):
+    m = cfg.model
+
+    def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array):
+        opt_state, lr = optim.set_lr(state["opt_state"], data_step, h)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (metrics, new_model_state)), grads = grad_fn(
+            state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m
+        )
+        loss = jnp.where(poison, jnp.nan, loss)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = opt.update(grads, opt_state, state["params"])
+        new_params = optax.apply_updates(state["params"], updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = {
+            "params": keep(new_params, state["params"]),
+            "opt_state": keep(new_opt_state, state["opt_state"]),
+            "model_state": keep(new_model_state, state["model_state"]),
+        }
+        out = {
+            "loss": loss,
+            "ce": metrics["ce"],
+            "logit_z": metrics["logit_z"],
+            "aux_loss": metrics["aux_loss"],
+            "router_z_loss": metrics["router_z"],
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "grad_norm_groups": optim.group_norms(grads),
+            "param_norm_groups": optim.group_norms(new_state["params"]),
+            "finite": finite,
+            **_layer_summary(metrics["layers"]),
+        }
+        return new_state, out
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(cfg: Config):
+    """(params, model_state, inputs, targets, mask) -> summed nats and token count, per dispatch."""
+    m = cfg.model
+
+    def nll(params, model_state, inputs, targets, mask, dispatch):
+        hidden, _, _ = forward(params, model_state, inputs, m, dispatch)
+        logits = logits_of(params, hidden)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
+
+    return jax.jit(nll, static_argnames="dispatch")

@@ -1,0 +1,68 @@
+"""`--max-restarts N`: a supervising process that restarts a dead training process from its newest checkpoint.
+
+A crash, a kill or an out-of-memory costs at most the work since the last checkpoint. Each
+restart is an event with its cause. A refusal (exit code 2) or a run the NaN guard stopped
+(exit code 3) is not retried: running it again would fail the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import subprocess
+import sys
+import threading
+
+from moelab.train.record import RunDir
+
+NOT_RETRIED = {0: "finished", 2: "refused", 3: "stopped by the run itself"}
+
+
+def _cause(code: int, tail: list[str]) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    last = next((line for line in reversed(tail) if line.strip()), "")
+    return f"exit code {code}" + (f": {last.strip()[:300]}" if last else "")
+
+
+def supervise(child_args: list[str], out: str, max_restarts: int) -> int:
+    """Run ``moelab train child_args`` until it finishes, restarting with --resume up to max_restarts times."""
+    run = RunDir(out)
+    restarts = 0
+    args = list(child_args)
+    while True:
+        proc = subprocess.Popen([sys.executable, "-m", "moelab", "train", *args], stderr=subprocess.PIPE, text=True)
+        tail: collections.deque[str] = collections.deque(maxlen=20)
+
+        def pump(p=proc, t=tail):
+            for line in p.stderr:
+                sys.stderr.write(line)
+                t.append(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        code = proc.wait()
+        reader.join(timeout=5)
+        if code in NOT_RETRIED:
+            return code
+        cause = _cause(code, list(tail))
+        if restarts >= max_restarts:
+            run.event("gave_up", restarts=restarts, cause=cause)
+            print(
+                f"moelab: training died ({cause}) and {max_restarts} restarts are used up; "
+                f"continue with --resume --out {out}",
+                file=sys.stderr,
+            )
+            return 1
+        restarts += 1
+        run.event("restart", restart=restarts, of=max_restarts, cause=cause, exit_code=code)
+        print(
+            f"moelab: training died ({cause}); restart {restarts} of {max_restarts} from the newest checkpoint",
+            file=sys.stderr,
+        )
+        if "--resume" not in args:
+            args.append("--resume")

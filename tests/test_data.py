@@ -1,0 +1,215 @@
+"""Sources, tokenizer, token store and mixture."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from moelab.cli import main
+from moelab.config import load_config, replace
+from moelab.data import sources as S
+from moelab.data import store as store_mod
+from moelab.data.mixture import batch_at, build_mixture
+from moelab.data.store import build_store, train_tokenizer
+
+
+def test_tokenizer_round_trip_non_ascii():
+    texts = ["def naïve(): return 'café'", "Grüße aus Köln — ½ ∑ λ 日本語 🙂", "plain ascii text"] * 20
+    tok = train_tokenizer(texts, 400)
+    for text in texts[:3] + ["unseen: ñandú ünïcödé 😀 ✓"]:
+        assert tok.decode(tok.encode(text).ids) == text
+    assert tok.token_to_id(store_mod.EOT) == 0
+
+
+def test_stdlib_has_several_domains_with_documents():
+    (src,) = S.resolve(["stdlib"])
+    assert src.domains == S.STDLIB_DOMAINS
+    seen = {}
+    for doc in S.iter_documents(src):
+        seen[doc.domain] = seen.get(doc.domain, 0) + 1
+    assert set(seen) == set(S.STDLIB_DOMAINS) and min(seen.values()) > 50
+
+
+def test_held_out_split_is_a_function_of_the_name():
+    ids = [f"doc{i}" for i in range(2000)]
+    held = [S.is_held_out("d", i, 0.1) for i in ids]
+    assert held == [S.is_held_out("d", i, 0.1) for i in reversed(ids)][::-1]
+    assert 0.07 < np.mean(held) < 0.13
+
+
+def data_cfg(corpus, *more):
+    return load_config("tiny", [f"data.sources=[{corpus['code']}, {corpus['prose']}]", "model.vocab_size=512", *more])
+
+
+def test_store_is_built_once_and_rebuilt_when_an_input_changes(corpus, tmp_path, monkeypatch):
+    code = tmp_path / "code"
+    code.mkdir()
+    for p in Path(corpus["code"]).iterdir():
+        (code / p.name).write_text(p.read_text())
+    cfg = load_config("tiny", [f"data.sources=[{code}, {corpus['prose']}]", "model.vocab_size=512"])
+    calls = []
+    real = store_mod.train_tokenizer
+    monkeypatch.setattr(store_mod, "train_tokenizer", lambda *a: calls.append(1) or real(*a))
+    first = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    again = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    assert again.path == first.path and len(calls) == 1
+    assert set(first.domains) == {"code", "prose"}
+    for d in first.domains:  # every domain keeps documents in both splits
+        assert len(first.stream(d, "train")) > 0 and len(first.stream(d, "heldout")) > 0
+    (code / "textwrap.py").write_text((code / "textwrap.py").read_text() + "\n# changed\n")
+    changed = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    assert changed.path != first.path and len(calls) == 2
+    # documents are stored in full, each followed by EOT
+    tok = changed.tokenizer()
+    doc = json.loads((changed.path / "documents.jsonl").read_text().splitlines()[0])
+    ids = np.asarray(changed.tokens[doc["start"] : doc["start"] + doc["tokens"]])
+    assert ids[-1] == changed.eot
+    assert tok.decode(ids[:-1].tolist()) == (code / doc["id"]).read_text()
+
+
+def test_jsonl_gz_and_parquet_sources(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document number {i} with some words" for i in range(5)]
+    gz = tmp_path / "notes.jsonl.gz"
+    with gzip.open(gz, "wt") as fh:
+        for t in texts:
+            fh.write(json.dumps({"body": t}) + "\n")
+    pq.write_table(pa.table({"body": texts}), tmp_path / "table.parquet")
+    srcs = S.resolve([str(gz), str(tmp_path / "table.parquet")])
+    assert [s.domains for s in srcs] == [("notes",), ("table",)]
+    for src in srcs:
+        assert [d.text for d in S.iter_documents(src, "body")] == texts
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "ok.txt").write_text("fine text")
+    (latin / "bad.txt").write_bytes("caf\xe9".encode("latin-1"))
+    notjson = tmp_path / "notjson.jsonl"
+    notjson.write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"text": "a"}\n{"body": "b"}\n')
+    pq.write_table(pa.table({"text": [f"row {i} " * 50 for i in range(200)]}), tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    return [
+        (str(empty), f"{empty}: no text files"),
+        (str(latin), f"{latin / 'bad.txt'}: not valid UTF-8"),
+        (str(notjson), f"{notjson}:3: not valid JSON"),
+        (str(nofield), f"{nofield}:2: no 'text' field"),
+        (str(tmp_path / "cut.parquet"), f"{tmp_path / 'cut.parquet'}: not a readable parquet file"),
+        (str(tmp_path / "missing"), f"{tmp_path / 'missing'}: no such file or directory"),
+    ]
+
+
+def test_bad_data_is_refused_with_one_line_and_nothing_left(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOELAB_CACHE", str(cache))
+    for i, (source, message) in enumerate(_bad_inputs(tmp_path)):
+        out = tmp_path / f"run{i}"
+        code = main(["train", "tiny", "--data", source, "--out", str(out), "--steps", "2", "--quiet"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, (source, err)
+        assert len(err) == 1 and err[0] == f"moelab: {err[0][len('moelab: ') :]}" and message in err[0], (message, err)
+        assert not (out / "config.json").exists()
+        leftovers = list(cache.glob("*")) if cache.exists() else []
+        assert not any((p / "manifest.json").exists() for p in leftovers), leftovers
+        assert not any(p.name.startswith(".tmp") for p in leftovers), leftovers
+
+
+def test_bad_data_exit_code_from_the_command_line(tmp_path):
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moelab",
+            "train",
+            "tiny",
+            "--data",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert res.returncode == 2 and res.stderr.strip() == f"moelab: {tmp_path / 'nope'}: no such file or directory"
+
+
+def test_mixture_proportions_and_phase_change(corpus):
+    cfg = data_cfg(
+        corpus,
+        "data.mixture=[{code: 0.8, prose: 0.2}, {code: 0.3, prose: 0.7}]",
+        "data.phase_starts=[0.0, 0.75]",
+        "train.steps=400",
+        "train.batch_size=8",
+        "data.epoch_cap=1000",
+    )
+    store = build_store(cfg.data, 512, progress=False)
+    mix = build_mixture(cfg, store)
+    assert mix.phase_steps == (0, 300)
+    assert [mix.phase_at(s) for s in (0, 299, 300, 399)] == [0, 0, 1, 1]
+    code = mix.domains.index("code")
+    for phase, (lo, hi), want in ((0, (0, 300), 0.8), (1, (300, 400), 0.3)):
+        rows = np.concatenate([batch_at(store, mix, 7, s, 8, cfg.model.seq_len)[1] for s in range(lo, hi)])
+        share = float(np.mean(rows == code))
+        sigma = np.sqrt(want * (1 - want) / len(rows))
+        assert abs(share - want) < 4 * sigma, (phase, share, want)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(corpus):
+    cfg = data_cfg(corpus)
+    store = build_store(cfg.data, 512, progress=False)
+    mix = build_mixture(cfg, store)
+    a = batch_at(store, mix, 3, 17, 4, 64)[0]
+    assert np.array_equal(a, batch_at(store, mix, 3, 17, 4, 64)[0])
+    assert not np.array_equal(a, batch_at(store, mix, 4, 17, 4, 64)[0])
+    overrides = [f"data.sources=[{corpus['code']}, {corpus['prose']}]", "model.vocab_size=512"]
+    code = (
+        "import hashlib, sys; from moelab.config import load_config; from moelab.data.store import build_store;"
+        "from moelab.data.mixture import build_mixture, batch_at;"
+        f"cfg = load_config('tiny', {overrides!r});"
+        "st = build_store(cfg.data, 512, progress=False); mx = build_mixture(cfg, st);"
+        "print(hashlib.sha256(b''.join(batch_at(st, mx, 3, s, 4, 64)[0].tobytes() for s in range(20))).hexdigest())"
+    )
+    digests = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
+    import hashlib
+
+    here = hashlib.sha256(b"".join(batch_at(store, mix, 3, s, 4, 64)[0].tobytes() for s in range(20))).hexdigest()
+    assert digests == {here + "\n"}
+
+
+def test_epoch_cap_refuses_or_warns(corpus):
+    cfg = data_cfg(corpus, "data.mixture=[{code: 0.01, prose: 0.99}]", "train.steps=2000", "data.epoch_cap=2")
+    store = build_store(cfg.data, 512, progress=False)
+    with pytest.raises(S.DataError, match=r"data.epoch_cap: .* domain 'prose'"):
+        build_mixture(cfg, store)
+    with pytest.warns(UserWarning, match="data.epoch_cap"):
+        mix = build_mixture(replace(cfg, data={"epoch_cap_action": "warn"}), store)
+    assert mix.epochs["prose"] > 2
+
+
+def test_unknown_domain_in_mixture_is_named(corpus):
+    cfg = data_cfg(corpus, "data.mixture=[{code: 1, poetry: 1}]")
+    store = build_store(cfg.data, 512, progress=False)
+    with pytest.raises(S.DataError, match=r"data.mixture\[0\].poetry: unknown domain"):
+        build_mixture(cfg, store)

@@ -1,0 +1,306 @@
+"""Training: schedules, optimisers, exact resume after SIGKILL, supervision, the NaN guard, evals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import MICRO, ROOT
+from moelab.cli import main
+from moelab.config import load_config
+from moelab.train import checkpoint, optim
+from moelab.train.loop import train
+from moelab.train.record import RunDir, read_jsonl
+
+
+def test_linear_schedule_warms_up_to_peak_and_ends_at_min():
+    cfg = load_config("tiny", ["train.steps=1000", "train.warmup_frac=0.01", "train.min_lr_ratio=0.05"])
+    h = optim.hyper(cfg)
+    lr = np.array([float(optim.lr_factor(s, h)) for s in range(1000)])
+    assert h.warmup_steps == 10
+    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
+    assert np.all(np.diff(lr[:10]) > 0) and np.all(np.diff(lr[9:]) < 0)
+    assert lr[-1] == pytest.approx(0.05)
+    assert lr[9 + (999 - 9) // 2] == pytest.approx(1 - 0.5 * 0.95, rel=1e-3)  # halfway down the line
+
+
+def test_wsd_schedule_shape():
+    cfg = load_config(
+        "tiny",
+        [
+            "train.steps=100",
+            "train.schedule=wsd",
+            "train.warmup_frac=0.1",
+            "train.decay_frac=0.2",
+            "train.min_lr_ratio=0.0",
+        ],
+    )
+    h = optim.hyper(cfg)
+    lr = np.array([float(optim.lr_factor(s, h)) for s in range(100)])
+    assert lr[9] == pytest.approx(1.0) and np.all(lr[9:80] == 1.0)
+    assert np.all(np.diff(lr[79:]) < 0) and lr[-1] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_lr_auto_is_marin_heuristic(marin):
+    cfg = load_config("marin-535b-a23b")
+    h = optim.hyper(cfg)
+    ref = marin["lr_heuristic"]["hero_values"]
+    assert h.peak_lr == pytest.approx(ref["adam_lr"], rel=1e-3)
+    assert h.muon_lr == pytest.approx(ref["muon_lr"], rel=1e-3)
+    assert h.beta2 == 0.95  # clip(0.999^(46137344/131072), 0.95, 0.9999)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_optimizers_train_and_skip_decay_on_norms_and_embeddings(name):
+    from moelab.model import loss_fn
+    from moelab.train.step import init_train_state, make_train_step
+
+    cfg = load_config("tiny", MICRO + [f"train.optimizer={name}", "train.steps=30", "train.lr=0.01"])
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    mask = optim.decay_mask(state["params"])
+    assert mask["embed"] is False and mask["layers"]["attn_norm"] is False and mask["head"] is True
+    assert mask["layers"]["w_gate"] is True
+    batch = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 512)
+    first = float(
+        jax.jit(loss_fn, static_argnums=4)(
+            state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], cfg.model
+        )[0]
+    )
+    step = make_train_step(cfg, opt, h)
+    for s in range(30):
+        state, metrics = step(state, batch, np.int32(s), np.bool_(False))
+    assert bool(metrics["finite"]) and float(metrics["loss"]) < first - 1.0
+    assert float(metrics["lr"]) == pytest.approx(h.peak_lr * float(optim.lr_factor(29, h)), rel=1e-6)
+
+
+def _train_cli(corpus, out, *extra, env=None, steps=30):
+    cmd = [
+        sys.executable,
+        "-m",
+        "moelab",
+        "train",
+        "tiny",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--quiet",
+        "--data",
+        corpus["code"],
+        "--data",
+        corpus["prose"],
+    ]
+    for o in MICRO:
+        cmd += ["--set", o]
+    cmd += list(extra)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def _trajectory(run_dir) -> list[tuple]:
+    recs = read_jsonl(RunDir(run_dir).metrics)
+    return [
+        (r["kind"], r["step"], r.get("loss"), r.get("grad_norm"), json.dumps(r.get("grad_norm_groups"))) for r in recs
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    res = _train_cli(corpus, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_resume_after_sigkill_equals_uninterrupted(corpus, reference_run, tmp_path):
+    out = tmp_path / "run"
+    res = _train_cli(corpus, out, env={"MOELAB_TEST_FAULTS": "kill@15"})
+    assert res.returncode == -9
+    assert checkpoint.steps(out / "ckpt") == [10]
+    res = _train_cli(corpus, out, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _trajectory(out) == _trajectory(reference_run)
+    kinds = [e["event"] for e in read_jsonl(out / "events.jsonl")]
+    assert kinds.count("launch") == 2 and "resume" in kinds and kinds[-1] == "end"
+
+
+def test_kill_during_checkpoint_save_is_ignored_on_resume(corpus, reference_run, tmp_path):
+    out = tmp_path / "run"
+    res = _train_cli(corpus, out, env={"MOELAB_TEST_FAULTS": "kill_in_save@20"})
+    assert res.returncode == -9
+    assert (out / "ckpt" / "step_00000020.partial").exists()
+    assert checkpoint.steps(out / "ckpt") == [10]  # the half-written one does not count
+    res = _train_cli(corpus, out, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resume = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "resume")
+    assert resume["step"] == 10
+    assert _trajectory(out) == _trajectory(reference_run)
+    assert not list((out / "ckpt").glob("*.partial"))
+
+
+def test_supervisor_restarts_a_killed_run(corpus, reference_run, tmp_path):
+    out = tmp_path / "run"
+    res = _train_cli(corpus, out, "--max-restarts", "3", env={"MOELAB_TEST_FAULTS": "kill@12,kill@25"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    restarts = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "restart"]
+    assert [r["restart"] for r in restarts] == [1, 2]
+    assert all("SIGKILL" in r["cause"] for r in restarts)
+    assert _trajectory(out) == _trajectory(reference_run)
+
+
+def _micro(corpus, *more):
+    return load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", *more])
+
+
+def test_nan_step_is_skipped(corpus, tmp_path):
+    cfg = _micro(corpus, "train.steps=12", "train.poison_steps=[5]", "train.eval_every=12")
+    summary = train(cfg, tmp_path / "run", progress=False)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "nan_skip"] == [5]
+    assert not any(e["event"] == "nan_restore" for e in events)
+    steps = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"}
+    assert np.isnan(steps[6]["loss"]) and np.isfinite(steps[7]["loss"]) and np.isfinite(summary["final_loss"])
+
+
+def test_nan_run_restores_the_checkpoint_and_skips_the_batches(corpus, tmp_path):
+    cfg = _micro(corpus, "train.steps=24", "train.poison_steps=[12, 13, 14]", "train.eval_every=24")
+    train(cfg, tmp_path / "run", progress=False)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    (restore,) = [e for e in events if e["event"] == "nan_restore"]
+    assert restore["restored_step"] == 10 and restore["skipping"] == [12, 13, 14]
+    assert events[-1]["event"] == "end"
+    recs = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in recs] == [s for s in range(1, 25) if s not in (13, 14, 15)]
+    assert all(np.isfinite(r["loss"]) for r in recs)
+
+
+def test_nan_guard_stops_when_restoring_does_not_help(corpus, tmp_path, capsys):
+    poison = "train.poison_steps=[12, 13, 14, 15, 16, 17]"
+    args = [
+        "train",
+        "tiny",
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "24",
+        "--quiet",
+        "--data",
+        corpus["code"],
+        "--data",
+        corpus["prose"],
+    ]
+    for o in [*MICRO, poison, "train.eval_every=24"]:
+        args += ["--set", o]
+    assert main(args) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NaN guard" in err[0] and "again after a restore" in err[0]
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert events[-1]["event"] == "failure" and checkpoint.steps(tmp_path / "run" / "ckpt") == [10]
+
+
+def test_metrics_and_eval_records(corpus, tmp_path):
+    cfg = _micro(corpus, "train.steps=20", "train.log_every=5", "model.dispatch=capacity", "model.capacity_factor=1.0")
+    train(cfg, tmp_path / "run", progress=False)
+    recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    tr = [r for r in recs if r["kind"] == "train"]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in tr] == [5, 10, 15, 20]
+    assert [r["step"] for r in ev] == list(range(0, 21))  # every 5% of 20 steps
+    r = tr[-1]
+    for key in (
+        "loss",
+        "ce",
+        "logit_z",
+        "aux_loss",
+        "router_z_loss",
+        "lr",
+        "grad_norm",
+        "dropped_frac",
+        "spilled_frac",
+        "max_mean_load",
+        "router_entropy",
+        "bias_mean",
+        "bias_std",
+        "tokens_per_s",
+        "step_time",
+        "mfu",
+        "tokens",
+    ):
+        assert key in r and np.isfinite(r[key]), key
+    assert set(r["grad_norm_groups"]) >= {
+        "embedding",
+        "head",
+        "attention",
+        "router",
+        "routed_experts",
+        "shared_experts",
+    }
+    assert len(r["dropped_frac_per_layer"]) == 2 and np.array(r["expert_load"]).shape == (2, 8)
+    assert r["tokens"] == 20 * 4 * 32
+    gn = np.sqrt(sum(v**2 for v in r["grad_norm_groups"].values()))
+    assert gn == pytest.approx(r["grad_norm"], rel=1e-4)  # the groups partition the parameters
+    e = ev[-1]
+    assert set(e["loss"]) == {"code", "prose", "macro"} and set(e["bpb_dropless"]) == {"code", "prose", "macro"}
+    assert e["loss"]["macro"] == pytest.approx((e["loss"]["code"] + e["loss"]["prose"]) / 2)
+
+
+def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
+    cfg = _micro(corpus, "train.steps=10", "train.eval_every=10")
+    train(cfg, tmp_path / "run", progress=False)
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    final = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert res["step"] == 10
+    for d in ("code", "prose", "macro"):
+        assert res["loss"][d] == pytest.approx(final["loss"][d], rel=1e-6)
+    assert main(["eval", str(tmp_path / "run"), "--checkpoint", "7"]) == 2
+
+
+def test_refuses_to_overwrite_and_to_resume_with_another_config(corpus, tmp_path, capsys):
+    cfg = _micro(corpus, "train.steps=2", "train.eval_every=2")
+    train(cfg, tmp_path / "run", progress=False)
+    base = [
+        "train",
+        "tiny",
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--quiet",
+        "--data",
+        corpus["code"],
+        "--data",
+        corpus["prose"],
+    ]
+    for o in [*MICRO, "train.eval_every=2"]:
+        base += ["--set", o]
+    assert main(base) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main([*base, "--resume", "--set", "model.top_k=1"]) == 2
+    assert "model.top_k" in capsys.readouterr().err
+
+
+def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
+    cfg = load_config(
+        "tiny",
+        [
+            "train.steps=200",
+            "train.batch_size=8",
+            "train.eval_every=200",
+            "train.eval_tokens=2048",
+            "data.max_bytes_per_domain=400000",
+            "train.checkpoint_every=200",
+        ],
+    )
+    summary = train(cfg, tmp_path / "run", progress=False)
+    first, final = summary["first_eval"]["loss"], summary["final_eval"]["loss"]
+    assert set(first) == {"stdlib-code", "stdlib-tests", "stdlib-docs", "macro"}
+    for domain in first:
+        assert final[domain] < first[domain] - 1.0, (domain, first[domain], final[domain])
