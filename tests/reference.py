@@ -105,3 +105,32 @@ def attention_reference(p, x, *, n_heads, n_kv, head_dim, window, rope_fraction,
                 w /= w.sum()
                 out[bi, i, h] = sum(wj * v[bi, lo + n, kh] for n, wj in enumerate(w))
     return out.reshape(b, s, n_heads * head_dim) @ np.asarray(p["wo"], np.float64)
+
+
+def forward_reference(params: dict, state: dict, tokens, m: ModelConfig) -> np.ndarray:
+    """The whole model, layer by layer, from the references above: local layers see a window and
+    their own kv-head count, the last layer and every global_every-th are global. Dropless."""
+    x = np.asarray(params["embed"], np.float64)[np.asarray(tokens)]
+
+    def norm(v, w):
+        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + m.norm_eps) * np.asarray(w, np.float64)
+
+    for i in range(m.n_layers):
+        p = {k: np.asarray(v[i]) for k, v in params["layers"].items()}
+        glob = i == m.n_layers - 1 or not m.sliding_window or (m.global_every and (i + 1) % m.global_every == 0)
+        kv = m.n_kv_heads if glob else (m.n_kv_heads_local or m.n_kv_heads)
+        x = x + attention_reference(
+            p,
+            norm(x, p["attn_norm"]),
+            n_heads=m.n_heads,
+            n_kv=kv,
+            head_dim=m.head_size,
+            window=0 if glob else m.sliding_window,
+            rope_fraction=m.rope_fraction,
+            rope_theta=m.rope_theta,
+            eps=m.norm_eps,
+        )
+        h = jnp.asarray(norm(x, p["mlp_norm"]), jnp.float32)
+        jp = {k: jnp.asarray(v) for k, v in p.items()}
+        x = x + np.asarray(moe_reference(jp, h, state["router_bias"][i], m), np.float64)
+    return norm(x, params["final_norm"])

@@ -49,6 +49,14 @@ def test_yaml_file_and_overrides(tmp_path):
     assert load_config(path).train.lr == "auto"
 
 
+def test_numbers_in_scientific_notation(tmp_path):
+    cfg = load_config("tiny", ["model.logit_z_loss=1e-4", "train.lr=3e-3"])
+    assert cfg.model.logit_z_loss == 1e-4 and cfg.train.lr == 3e-3
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 3e-4\n  peak_flops: 1e12\n")
+    assert load_config(path).train.lr == 3e-4 and load_config(path).train.peak_flops == 1e12
+
+
 def test_ints_widen_to_floats_and_hash_tracks_content():
     a = load_config("tiny", ["model.capacity_factor=2"])
     assert a.model.capacity_factor == 2.0 and isinstance(a.model.capacity_factor, float)
@@ -92,6 +100,13 @@ BAD = [
     ("train.batch_size=1.5", "train.batch_size"),
     ("mesh.expert=3", "mesh.expert"),  # experts (8) not divisible by the expert axis
     ("optim.lr=1", "optim.lr"),  # unknown section
+    ("model.n_kv_heads=0", "model.n_kv_heads"),
+    ("model.n_heads=0", "model.n_heads"),
+    ("model.capacity_factor=.inf", "model.capacity_factor"),
+    ("model.rope_fraction=0.01", "model.rope_fraction"),
+    ("model.capacity_group=100", "model.capacity_group"),  # does not divide 16 x 128 tokens
+    ("data.phase_starts=[0.5, 0.8]", "data.phase_starts"),
+    ("data.mixture=[{a: 1}, {a: 1}, {a: 1}]", "data.mixture"),
 ]
 
 

@@ -34,10 +34,10 @@ def small(**model) -> tuple:
         shared_dim=12,
         latent_dim=0,
         vocab_size=32,
-        seq_len=8,
+        seq_len=6,
     )
     base.update(model)
-    m = config_from_dict({"model": base}).model
+    m = config_from_dict({"model": base, "train": {"batch_size": 2}}).model
     params = init_params(m, jax.random.PRNGKey(0))
     layer = jax.tree.map(lambda a: a[0], params["layers"])
     # a router with some spread, so top-k choices are far from ties
@@ -74,7 +74,7 @@ def test_dropless_equals_loop_reference_forward_and_grad(case):
 @pytest.mark.parametrize("dispatch", ["capacity", "spill"])
 @pytest.mark.parametrize("order", ["position", "score"])
 def test_ample_capacity_equals_dropless(dispatch, order):
-    m, p, x, bias = small(latent_dim=8, capacity_factor=4.0, drop_order=order)  # 4 = E / k: room for all
+    m, p, x, bias = small(latent_dim=8, capacity_factor=4.0, drop_order=order)  # 4 * T * k / E = 2T slots: room for all
     y, metrics, _ = moe_block(p, x, bias, m, dispatch)
     y_ref, _, _ = moe_block(p, x, bias, m, "dropless")
     assert float(metrics["dropped_frac"]) == 0.0
@@ -236,8 +236,12 @@ def test_bias_changes_selection_not_gates():
     r = rt.route(logits, jnp.array([0.0, 1.0, 0.0]), m)
     assert r.idx.tolist() == [[1]]
     assert float(r.gates[0, 0]) == pytest.approx(2.0)  # renormalised to routed_scale
-    g = jax.grad(lambda b: jnp.sum(rt.route(logits, b, m).gates))(jnp.zeros(3))
-    assert np.all(np.asarray(g) == 0)
+    # top-2: the gates are the unbiased sigmoid scores of the chosen experts, renormalised
+    m2 = config_from_dict({"model": {"n_routed": 3, "top_k": 2, "router": "sigmoid", "routed_scale": 2.0}}).model
+    r2 = rt.route(logits, jnp.array([0.0, 0.0, 5.0]), m2)
+    assert r2.idx.tolist() == [[2, 0]]
+    s = jax.nn.sigmoid(logits[0])
+    np.testing.assert_allclose(r2.gates[0], 2.0 * np.array([s[2], s[0]]) / (s[2] + s[0]), rtol=1e-6)
 
 
 def test_switch_aux_loss_hand_case():

@@ -304,3 +304,32 @@ def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
     assert set(first) == {"stdlib-code", "stdlib-tests", "stdlib-docs", "macro"}
     for domain in first:
         assert final[domain] < first[domain] - 1.0, (domain, first[domain], final[domain])
+
+
+def test_trackers_mirror_the_metrics(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "tiny",
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--quiet",
+        "--data",
+        corpus["code"],
+        "--data",
+        corpus["prose"],
+        "--tracker",
+        "wandb",
+        "--tracker",
+        "tensorboard",
+    ]
+    for o in [*MICRO, "train.eval_every=4"]:
+        args += ["--set", o]
+    assert main(args) == 0
+    (tb,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    assert b"train/loss" in tb.read_bytes() and b"eval/loss/macro" in tb.read_bytes()
+    (wb,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"train/loss" in wb.read_bytes()
+    assert (out / "metrics.jsonl").exists()  # the local files are always written

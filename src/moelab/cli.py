@@ -199,7 +199,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
-    return run_demo(steps=args.steps)
+    return run_demo(steps=args.steps, out=args.out, overrides=args.overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,8 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("demo", help="the accounting of Marin's run and a pass through the tiny MoE")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps on stdlib text after the first pass")
+    p = sub.add_parser("demo", help="Marin's accounting, then the tiny MoE trained on the standard library")
+    p.add_argument("--steps", type=int, help="training steps (default: the tiny preset's)")
+    p.add_argument("--out", help="the run directory (default: runs/demo-<time>)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a field of the tiny preset (repeatable)",
+    )
     p.set_defaults(func=cmd_demo)
     return parser
 

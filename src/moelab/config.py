@@ -109,8 +109,8 @@ class ModelConfig:
         return self.seq_len if self.is_global(layer) else min(self.sliding_window, self.seq_len)
 
     def capacity(self, group_tokens: int) -> int:
-        """Slots per expert per group: ceil(CF * T * k / E)."""
-        return int(math.ceil(self.capacity_factor * group_tokens * self.top_k / self.n_routed))
+        """Slots per expert per group: ceil(CF * T * k / E), and never more than the group's tokens."""
+        return min(int(math.ceil(self.capacity_factor * group_tokens * self.top_k / self.n_routed)), group_tokens)
 
 
 @dataclass(frozen=True)
@@ -365,8 +365,11 @@ def _check_model(m: ModelConfig) -> list[str]:
         bad.add(name)
         e.append(f"model.{name}: {msg}")
 
-    def check(names: tuple[str, ...], ok: bool, msg: str) -> None:
-        if not ok and not bad.intersection(names):
+    def check(names: tuple[str, ...], ok, msg: str) -> None:
+        """ok: a bool, or a callable evaluated only when none of the fields has already failed."""
+        if bad.intersection(names):
+            return
+        if not (ok() if callable(ok) else ok):
             fail(names[0], msg)
 
     for n in (
@@ -408,38 +411,45 @@ def _check_model(m: ModelConfig) -> list[str]:
         ("eval_dispatch", ("",) + DISPATCHES),
     ):
         check((n,), getattr(m, n) in allowed, f"must be one of {', '.join(map(repr, allowed))}, got {getattr(m, n)!r}")
-    check(("capacity_factor",), m.capacity_factor > 0, f"must be > 0, got {m.capacity_factor}")
+    check(
+        ("capacity_factor",), 0 < m.capacity_factor < math.inf, f"must be a finite number > 0, got {m.capacity_factor}"
+    )
     check(("rope_fraction",), 0.0 < m.rope_fraction <= 1.0, f"must be in (0, 1], got {m.rope_fraction}")
 
     if m.head_dim == 0:
         check(
             ("n_heads", "d_model"),
-            m.d_model % m.n_heads == 0,
+            lambda: m.d_model % m.n_heads == 0,
             f"{m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim",
         )
     check(
         ("n_kv_heads", "n_heads"),
-        m.n_heads % m.n_kv_heads == 0,
+        lambda: m.n_heads % m.n_kv_heads == 0,
         f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}",
     )
     if m.n_kv_heads_local:
         check(
             ("n_kv_heads_local", "n_heads"),
-            m.n_heads % m.n_kv_heads_local == 0,
+            lambda: m.n_heads % m.n_kv_heads_local == 0,
             f"{m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}",
         )
     if m.sliding_window:
         lo, hi = sorted((m.n_kv_heads, m.kv_heads_local))
         check(
             ("n_kv_heads_local", "n_kv_heads", "n_heads"),
-            lo > 0 and hi % lo == 0,
+            lambda: lo > 0 and hi % lo == 0,
             f"{m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another",
         )
     if not bad.intersection(("head_dim", "n_heads", "d_model")):
         check(("head_dim",), m.head_size % 2 == 0, f"head size {m.head_size} must be even for rotary embeddings")
         check(
             ("rope_fraction", "head_dim"),
-            int(m.head_size * m.rope_fraction) % 2 == 0,
+            lambda: int(m.head_size * m.rope_fraction) >= 2,
+            f"{m.rope_fraction} of head size {m.head_size} rotates no dims; use 0.5 or 1.0",
+        )
+        check(
+            ("rope_fraction", "head_dim"),
+            lambda: int(m.head_size * m.rope_fraction) % 2 == 0,
             f"{m.rope_fraction} of head size {m.head_size} is not an even number of dims",
         )
     check(("top_k", "n_routed"), m.top_k <= m.n_routed, f"{m.top_k} is larger than model.n_routed={m.n_routed}")
@@ -497,7 +507,12 @@ def _check_data(d: DataConfig) -> list[str]:
     if d.max_bytes_per_domain < 0:
         e.append(f"data.max_bytes_per_domain: must be >= 0, got {d.max_bytes_per_domain}")
     starts = list(d.phase_starts)
-    if not starts or starts[0] != 0.0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or starts[-1] >= 1.0:
+    if (
+        not starts
+        or starts[0] != 0.0
+        or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+        or starts[-1] >= 1.0
+    ):
         e.append(f"data.phase_starts: must start at 0.0 and rise below 1.0, got {starts}")
     if len(d.mixture) not in (0, 1, len(starts)):
         e.append(
@@ -518,6 +533,12 @@ def _check_mesh(cfg: Config) -> list[str]:
     for n in ("data", "expert"):
         if getattr(cfg.mesh, n) <= 0:
             e.append(f"mesh.{n}: must be > 0, got {getattr(cfg.mesh, n)}")
+    group, tokens = cfg.model.capacity_group, cfg.train.batch_size * cfg.model.seq_len
+    if group > 0 and tokens > 0 and tokens % group:
+        e.append(
+            f"model.capacity_group: {group} does not divide the batch's {tokens} tokens "
+            f"(train.batch_size x model.seq_len); use a divisor such as model.seq_len"
+        )
     if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
         e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
     return e

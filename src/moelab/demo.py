@@ -1,18 +1,14 @@
-"""`make demo`: Marin's hero and ladder as moelab counts them, then the tiny MoE on stdlib text.
+"""`make demo`: Marin's hero and ladder as moelab counts them, then the tiny MoE trained on stdlib.
 
-The tiny part runs one forward and backward pass with its per-layer MoE metrics, then a few
-AdamW steps on byte-level batches of the standard library's source, so the router biases move.
+The training part is a real run (tokenizer, token store, phased mixture, evals every 5%,
+checkpoints) whose files stay in runs/ and whose summary is printed at the end.
 """
 
 from __future__ import annotations
 
 import json
-import sysconfig
-import time
 from importlib import resources
 from pathlib import Path
-
-import numpy as np
 
 from moelab import accounting
 from moelab.config import load_config
@@ -68,85 +64,41 @@ def print_accounting() -> None:
     print(f"\nlargest relative difference from Marin's figures: {worst:.3%}\n")
 
 
-def stdlib_bytes(n_bytes: int) -> np.ndarray:
-    """The first n_bytes of the standard library's .py files, in sorted path order, as uint8."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= n_bytes:
-            break
-    return np.frombuffer(b"".join(chunks)[:n_bytes], dtype=np.uint8)
-
-
-def print_layer_table(layers: dict) -> None:
-    cols = ("dropped_frac", "spilled_frac", "max_mean_load", "router_entropy", "router_z", "bias_mean", "bias_std")
+def print_layer_table(rec: dict) -> None:
+    cols = ("dropped_frac", "spilled_frac", "max_mean_load", "router_entropy", "router_z", "bias_std")
     print(f"  {'layer':<6}" + "".join(f"{c:>15}" for c in cols))
-    for i in range(len(layers["dropped_frac"])):
-        print(f"  {i:<6}" + "".join(f"{float(layers[c][i]):>15.4f}" for c in cols))
+    for i in range(len(rec["dropped_frac_per_layer"])):
+        print(f"  {i:<6}" + "".join(f"{float(rec[c + '_per_layer'][i]):>15.4f}" for c in cols))
 
 
-def run_demo(steps: int = 40) -> int:
-    import jax
-    import jax.numpy as jnp
-    import optax
+def run_demo(steps: int | None = None, out: str | None = None, overrides: list[str] | None = None) -> int:
+    """The accounting table, then the tiny preset trained on the standard library with evals."""
+    from datetime import datetime
 
-    from moelab.model import count_params, init_params, init_state, loss_fn
+    from moelab.cli import print_summary
+    from moelab.train.loop import train
+    from moelab.train.record import read_jsonl
 
     print_accounting()
-
-    cfg = load_config("tiny")
+    cfg = load_config("tiny", list(overrides or []) + ([f"train.steps={steps}"] if steps else []))
     m = cfg.model
     a = accounting.count(cfg)
-    params = init_params(m, jax.random.PRNGKey(cfg.train.seed))
-    state = init_state(m)
+    out = out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
     print(
-        f"tiny preset: {count_params(params):,} parameters ({a.active_params:,} active, Marin's definition), "
-        f"{m.n_routed} routed experts top-{m.top_k}, {m.n_shared} shared, latent {m.latent_dim}, "
-        f"window {m.sliding_window} with every {m.global_every}nd layer global, {m.router} router, "
-        f"{m.bias_update} bias, dispatch {m.dispatch} (CF {m.capacity_factor})"
+        f"Training the tiny preset on the standard library's source into {out}:\n"
+        f"  {a.total_params:,} parameters ({a.active_params:,} active), {m.n_routed} routed experts top-{m.top_k}, "
+        f"{m.n_shared} shared, latent {m.latent_dim}, window {m.sliding_window} with every {m.global_every}nd layer "
+        f"global, {m.router} router with {m.bias_update} bias, dispatch {m.dispatch} (CF {m.capacity_factor});\n"
+        f"  {cfg.train.steps} steps of {cfg.train.batch_size} x {m.seq_len} tokens, held-out evals every 5%.\n"
+        "  The first run also trains the tokenizer and builds the token store (cached in .moelab_cache/)."
     )
-    b, s = cfg.train.batch_size, m.seq_len
-    data = jnp.asarray(stdlib_bytes(b * (s + 1) * (steps + 1)).astype(np.int32))
-    batches = data.reshape(steps + 1, b, s + 1)
-
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.0))
-    opt_state = opt.init(params)
-
-    @jax.jit
-    def step(params, state, opt_state, batch):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (metrics, new_state)), grads = grad_fn(params, state, batch[:, :-1], batch[:, 1:], m)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_state, opt_state, metrics, optax.global_norm(grads)
-
-    t0 = time.perf_counter()
-    _, new_state, _, metrics, gnorm = step(params, state, opt_state, batches[0])
-    jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t0
+    summary = train(cfg, out)
+    print_summary(summary)
+    last = [r for r in read_jsonl(Path(out) / "metrics.jsonl") if r["kind"] == "train"][-1]
+    print("\nper-layer MoE metrics at the last step:")
+    print_layer_table(last)
     print(
-        f"\nforward + backward on {b}x{s} stdlib bytes: loss {float(metrics['loss']):.4f} "
-        f"(cross-entropy {float(metrics['ce']):.4f}, ln(vocab) = {np.log(m.vocab_size):.4f}), "
-        f"gradient norm {float(gnorm):.3f}, compiled and ran in {compile_s:.1f}s"
+        f"\nits files: {out}/ (config.json, metrics.jsonl, events.jsonl, summary.json, ckpt/); "
+        f"evaluate a checkpoint again: moelab eval {out}"
     )
-    print_layer_table(metrics["layers"])
-
-    print(f"\n{steps} AdamW steps (router biases updated from each batch):")
-    t0 = time.perf_counter()
-    for i in range(steps):
-        params, state, opt_state, metrics, gnorm = step(params, state, opt_state, batches[i + 1])
-        if i % 10 == 0 or i == steps - 1:
-            layers = metrics["layers"]
-            print(
-                f"  step {i:>3}  loss {float(metrics['loss']):.4f}  grad norm {float(gnorm):6.3f}  "
-                f"dropped {float(jnp.mean(layers['dropped_frac'])):.4f}  "
-                f"max/mean load {float(jnp.mean(layers['max_mean_load'])):.3f}"
-            )
-    jax.block_until_ready(params)
-    elapsed = time.perf_counter() - t0
-    print(f"  {steps * b * s / elapsed:,.0f} tokens/s on {jax.device_count()} {jax.devices()[0].platform} device(s)")
-    print("\nper-layer MoE metrics after training:")
-    print_layer_table(metrics["layers"])
     return 0

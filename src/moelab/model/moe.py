@@ -198,7 +198,9 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
         zero = jnp.zeros((), jnp.float32)
         return y, {"dropped_frac": zero, "spilled_frac": zero, "tokens_per_expert": done}
 
-    group = m.capacity_group if m.capacity_group and t % m.capacity_group == 0 else t
+    group = m.capacity_group or t
+    if t % group:
+        raise ValueError(f"model.capacity_group={group} does not divide the {t} tokens of this batch")
     n_groups = t // group
     capacity = m.capacity(group)
     place = place_spill if dispatch == "spill" else place_capacity

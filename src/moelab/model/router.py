@@ -61,6 +61,8 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
 
 def router_entropy(scores: jax.Array) -> jax.Array:
     """Mean entropy of each token's router distribution over log(E): 1.0 = uniform."""
+    if scores.shape[-1] == 1:
+        return jnp.ones((), jnp.float32)  # one expert: nothing to choose, call it uniform
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     ent = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0), axis=-1)
     return jnp.mean(ent) / jnp.log(scores.shape[-1])

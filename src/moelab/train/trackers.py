@@ -16,15 +16,20 @@ def _flat(rec: dict, prefix: str = "") -> dict:
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(_flat(v, f"{key}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = v
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, (int, float)) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
+            out[key] = float(v)
     return out
 
 
 class WandbTracker:
     def __init__(self, cfg: Config, out: Path):
+        import os
+
         import wandb
 
+        os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(project="moelab", name=Path(out).name, dir=str(out), mode="offline", config=to_dict(cfg))
 
     def log(self, rec: dict) -> None:
