@@ -20,12 +20,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PYTEST) -m "not slow"
 
+# the slow tests include the Ray backend, so this also installs the ray extra
 test-all: $(STAMP)
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev,ray]"
 	$(PYTEST)
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks experiments
+	$(PY) -m ruff format --check src tests benchmarks experiments
 
 format: $(STAMP)
 	$(PY) -m ruff format src tests benchmarks

@@ -1,35 +1,35 @@
-"""`moelab demo` (what `make demo` runs) end to end, shorter and on less of the standard library."""
+"""`moelab demo` (what `make demo` runs) end to end, on a shorter experiment."""
 
 from __future__ import annotations
 
-import json
 import re
 
-from conftest import run_cli
+from conftest import MICRO, run_cli
+
+SHORT = """
+from moelab.lab import Experiment, Prediction, output_of
+from moelab.lab.steps import eval_step, train_step
+
+train = train_step("short", "tiny", OVERRIDES, progress=False)
+evaluate = eval_step("short-eval", output_of(train))
+experiment = Experiment(issue=4, slug="short", title="A short run", goal="Exercise the demo.",
+    hypothesis="The loss falls below its start.",
+    prediction=Prediction(metric="short-eval:loss_dropless.macro", value=6.0, low=0.0, high=20.0), steps=[evaluate])
+"""
 
 
-def test_demo_prints_accounting_trains_and_summarises(tmp_path):
-    out = tmp_path / "demo"
-    res = run_cli(
-        "demo",
-        "--steps",
-        "6",
-        "--out",
-        str(out),
-        "--set",
-        "data.max_bytes_per_domain=400000",
-        "--set",
-        "train.eval_every=6",
-        "--set",
-        "train.eval_tokens=2048",
-    )
+def test_demo_prints_accounting_runs_the_experiment_and_writes_the_site(corpus, tmp_path):
+    exp = tmp_path / "exp4_short.py"
+    overrides = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=6"]
+    exp.write_text(SHORT.replace("OVERRIDES", repr(overrides)))
+    res = run_cli("demo", "--experiment", str(exp), "--prefix", str(tmp_path / "lab"), "--site", str(tmp_path / "site"))
     assert res.returncode == 0, res.stderr[-3000:]
     text = res.stdout
     assert "535.3B [535.3B]" in text and "22.76B [22.76B]" in text
     worst = float(re.search(r"largest relative difference from Marin's figures: ([0-9.]+)%", text).group(1))
     assert worst < 0.5
-    for domain in ("stdlib-code", "stdlib-tests", "stdlib-docs", "macro"):
+    for domain in ("code", "prose", "macro"):
         assert re.search(rf"^  {domain}\s+[0-9.]+\s+[0-9.]+", text, re.M), domain
-    assert "tokens/s" in text and "MFU" in text and str(out) in text
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 6 and (out / "metrics.jsonl").exists() and (out / "ckpt").exists()
+    assert "tokens/s" in text and "MFU" in text and "verdict: CONFIRMED" in text
+    assert f"site: {(tmp_path / 'site' / 'index.html').resolve()}" in text
+    assert (tmp_path / "site" / "exp4_short.html").exists()

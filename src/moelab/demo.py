@@ -1,7 +1,9 @@
-"""`make demo`: Marin's hero and ladder as moelab counts them, then the tiny MoE trained on stdlib.
+"""`make demo`: Marin's hero and ladder as moelab counts them, then the example experiment.
 
-The training part is a real run (tokenizer, token store, phased mixture, evals every 5%,
-checkpoints) whose files stay in runs/ and whose summary is printed at the end.
+The experiment (experiments/exp4_tiny_stdlib.py) goes through `moelab run`: its declaration and
+prediction are journaled, the tiny MoE trains on the standard library (tokenizer, token store,
+evals every 5%, checkpoints), a checkpoint is evaluated, the verdict is recorded, and the site
+is written to runs/site.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from moelab import accounting
 from moelab.config import load_config
 from moelab.presets import MARIN_LADDER
+from moelab.train.record import read_jsonl
 
 
 def marin_reference() -> dict:
@@ -71,34 +74,35 @@ def print_layer_table(rec: dict) -> None:
         print(f"  {i:<6}" + "".join(f"{float(rec[c + '_per_layer'][i]):>15.4f}" for c in cols))
 
 
-def run_demo(steps: int | None = None, out: str | None = None, overrides: list[str] | None = None) -> int:
-    """The accounting table, then the tiny preset trained on the standard library with evals."""
-    from datetime import datetime
+EXAMPLE = Path(__file__).resolve().parents[2] / "experiments" / "exp4_tiny_stdlib.py"
 
+
+def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str = "runs/site") -> int:
+    """The accounting table, then the example experiment through `moelab run`, then its site."""
     from moelab.cli import print_summary
-    from moelab.train.loop import train
-    from moelab.train.record import read_jsonl
+    from moelab.lab.commands import load_experiment
+    from moelab.lab.executor import Runner
+    from moelab.report.site import build_site
 
     print_accounting()
-    cfg = load_config("tiny", list(overrides or []) + ([f"train.steps={steps}"] if steps else []))
-    m = cfg.model
-    a = accounting.count(cfg)
-    out = out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
-    print(
-        f"Training the tiny preset on the standard library's source into {out}:\n"
-        f"  {a.total_params:,} parameters ({a.active_params:,} active), {m.n_routed} routed experts top-{m.top_k}, "
-        f"{m.n_shared} shared, latent {m.latent_dim}, window {m.sliding_window} with every {m.global_every}nd layer "
-        f"global, {m.router} router with {m.bias_update} bias, dispatch {m.dispatch} (CF {m.capacity_factor});\n"
-        f"  {cfg.train.steps} steps of {cfg.train.batch_size} x {m.seq_len} tokens, held-out evals every 5%.\n"
-        "  The first run also trains the tokenizer and builds the token store (cached in .moelab_cache/)."
-    )
-    summary = train(cfg, out)
-    print_summary(summary)
-    last = [r for r in read_jsonl(Path(out) / "metrics.jsonl") if r["kind"] == "train"][-1]
-    print("\nper-layer MoE metrics at the last step:")
-    print_layer_table(last)
-    print(
-        f"\nits files: {out}/ (config.json, metrics.jsonl, events.jsonl, summary.json, ckpt/); "
-        f"evaluate a checkpoint again: moelab eval {out}"
-    )
-    return 0
+    path = Path(experiment) if experiment else EXAMPLE
+    exp = load_experiment(path)
+    print(f"Running {path} ({exp.title}) with `moelab run`; finished steps under {prefix}/ are reused.")
+    print(f"  hypothesis: {exp.hypothesis}\n  prediction: {exp.prediction.describe()}\n")
+    runner = Runner(exp, prefix)
+    result = runner.run()
+    for step in exp.all_steps():
+        summary = runner.out(step) / "summary.json"
+        if summary.exists():
+            print_summary(json.loads(summary.read_text()))
+            last = [r for r in read_jsonl(runner.out(step) / "metrics.jsonl") if r["kind"] == "train"][-1]
+            print("\n  per-layer MoE metrics at the last step:")
+            print_layer_table(last)
+    v = result["verdict"]
+    if v:
+        print(f"\nverdict: {v['verdict']}: {v['why']} (predicted {v['predicted']:g})")
+    else:
+        print(f"\nno verdict: steps not finished: {result['steps']}")
+    index = build_site(Path(prefix), Path(site))
+    print(f"\nsite: {index.resolve()}  (open it in a browser; it works offline)")
+    return 0 if v else 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -178,7 +177,3 @@ def group_norms(tree: dict) -> dict:
         if leaves:
             out[group] = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
     return out
-
-
-def global_norm(tree) -> jax.Array:
-    return optax.global_norm(tree)

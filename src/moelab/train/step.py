@@ -41,7 +41,7 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
             state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m
         )
         loss = jnp.where(poison, jnp.nan, loss)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = opt.update(grads, opt_state, state["params"])
         new_params = optax.apply_updates(state["params"], updates)

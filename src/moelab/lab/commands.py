@@ -1,0 +1,149 @@
+"""What `moelab run`, `moelab status` and `moelab issue` do with an experiment file."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+from moelab.lab.executor import Runner, read_status
+from moelab.lab.graph import Experiment
+from moelab.lab.journal import Journal
+
+
+class ExperimentError(ValueError):
+    """An experiment file that cannot be used; one line naming it."""
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentError(f"{path}: no such experiment file")
+    try:
+        namespace = runpy.run_path(str(path))
+    except Exception as exc:
+        raise ExperimentError(f"{path}: fails to load ({type(exc).__name__}: {exc})") from None
+    exp = namespace.get("experiment")
+    if not isinstance(exp, Experiment):
+        raise ExperimentError(f"{path}: defines no `experiment = Experiment(...)`")
+    return exp
+
+
+def dry_run(runner: Runner, flops_per_s: float | None = None) -> list[dict]:
+    """Each step's status, estimated FLOPs and time, and output path; runs nothing."""
+    from moelab.train.record import matmul_peak
+
+    rate = flops_per_s or measured_rate(runner.prefix) or 0.3 * matmul_peak()
+    rows = []
+    for step in runner.selected():
+        est = step.estimate(_resolved(runner, step)) if step.estimate else {}
+        flops = est.get("flops")
+        rows.append(
+            {
+                "step": step.name,
+                "status": read_status(runner.prefix, step),
+                "flops": flops,
+                "seconds": flops / rate if flops else None,
+                "output": str(runner.out(step)),
+                "deps": [d.name for d in step.deps()],
+            }
+        )
+    return rows
+
+
+def _resolved(runner: Runner, step):
+    from moelab.lab.graph import resolve
+
+    return resolve(step.config, lambda s: str(runner.out(s)))
+
+
+def measured_rate(prefix: Path) -> float | None:
+    """Model FLOP/s achieved by earlier training steps under this prefix (their summaries)."""
+    rates = []
+    for summary in Path(prefix).glob("*/summary.json"):
+        s = json.loads(summary.read_text())
+        if s.get("mfu") and s.get("peak_flops"):
+            rates.append(s["mfu"] * s["peak_flops"])
+    return max(rates) if rates else None
+
+
+def status_rows(prefix: Path) -> list[dict]:
+    out = []
+    for journal_path in sorted(Path(prefix).glob("experiments/*/journal.jsonl")):
+        events = Journal(journal_path).read()
+        declared = [e for e in events if e["event"] == "declared"]
+        verdicts = [e for e in events if e["event"] == "verdict"]
+        steps = []
+        for s in declared[-1]["steps"] if declared else []:
+            status_path = Path(prefix) / f"{s['dir']}.status"
+            status = json.loads(status_path.read_text())["status"] if status_path.exists() else "PENDING"
+            steps.append({"name": s["name"], "dir": s["dir"], "status": status})
+        out.append(
+            {
+                "experiment": journal_path.parent.name,
+                "title": declared[-1]["title"] if declared else "",
+                "version": len(declared),
+                "steps": steps,
+                "verdict": verdicts[-1]["verdict"] if verdicts else None,
+            }
+        )
+    return out
+
+
+def issue_markdown(exp: Experiment, prefix: Path) -> str:
+    """GitHub-issue markdown: description, goal, hypothesis, prediction, config, results and verdict."""
+    from moelab import accounting
+
+    lines = [f"# {exp.title}", "", f"Experiment `{exp.name}`, issue #{exp.issue}.", ""]
+    if exp.description:
+        lines += [exp.description, ""]
+    lines += [
+        "## Goal",
+        "",
+        exp.goal,
+        "",
+        "## Hypothesis",
+        "",
+        exp.hypothesis,
+        "",
+        "## Pre-registered prediction",
+        "",
+        f"- {exp.prediction.describe()}",
+        f"- prediction hash `{exp.prediction.digest()}`",
+        "",
+        "## Steps and configs",
+        "",
+    ]
+    runner = Runner(exp, prefix, log=lambda *_: None)
+    lines += ["| step | output | config | parameters (total / active) | training FLOPs |", "|---|---|---|---|---|"]
+    for step in exp.all_steps():
+        cfg = _resolved(runner, step)
+        params = flops = ""
+        if step.estimate:
+            from moelab.lab.steps import _config
+
+            c = _config(cfg)
+            a = accounting.count(c)
+            params = f"{accounting.human(a.total_params)} / {accounting.human(a.active_params)}"
+            flops = f"{step.estimate(cfg)['flops']:.3g}"
+        shown = json.dumps({k: v for k, v in cfg.items() if k != "progress"})
+        lines.append(f"| {step.name} | `{step.dirname()}` | `{shown}` | {params} | {flops} |")
+    events = Journal(runner.journal.path).read()
+    verdicts = [e for e in events if e["event"] == "verdict"]
+    lines += ["", "## Results", ""]
+    if verdicts:
+        v = verdicts[-1]
+        lines += [
+            f"**{v['verdict']}**: {v['metric']} = {v['outcome']:.6g} against the predicted {v['predicted']:g} "
+            f"({v['why']})."
+        ]
+        failures = [e for e in events if e["event"] == "step_failed"]
+        if failures:
+            lines += [
+                "",
+                f"{len(failures)} failed attempt(s) on record: "
+                + ", ".join(f"{e['step']} ({e['error']})" for e in failures),
+            ]
+    else:
+        lines += ["Not run yet: `moelab run` records the outcome and the verdict in the journal."]
+    return "\n".join(lines) + "\n"

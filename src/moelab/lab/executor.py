@@ -1,0 +1,249 @@
+"""Running an experiment's step graph: reuse, leases, status files, provenance and the journal.
+
+Beside each output ``<prefix>/<name>-<hash>/`` sit ``<name>-<hash>.status`` (RUNNING, SUCCESS,
+FAILED) and ``<name>-<hash>.lease`` (owner and heartbeat). A step is SUCCESS only after its
+function returned and its outcome was written; a runner that finds a live lease waits, one
+that finds a stale lease (no heartbeat for MOELAB_LEASE_TIMEOUT seconds) takes it over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from moelab.lab.graph import Experiment, Step, resolve, verdict
+from moelab.lab.journal import Journal
+from moelab.train.record import git_state, host, versions
+
+
+def lease_timeout() -> float:
+    return float(os.environ.get("MOELAB_LEASE_TIMEOUT", "60"))
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_status(prefix: Path, step: Step) -> str:
+    path = prefix / f"{step.dirname()}.status"
+    try:
+        return json.loads(path.read_text())["status"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return "PENDING"
+
+
+class Lease:
+    """A lock file with a heartbeat; a stale one is taken over."""
+
+    def __init__(self, path: Path, owner: str):
+        self.path, self.owner = path, owner
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.took_over: dict | None = None
+
+    def _record(self) -> dict:
+        return {"owner": self.owner, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+
+    def try_acquire(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return self._take_over_if_stale()
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self._record(), fh)
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return True
+
+    def _take_over_if_stale(self) -> bool:
+        try:
+            info = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False  # being written or just released: look again later
+        if time.time() - info.get("heartbeat", 0) <= lease_timeout():
+            return False
+        grave = self.path.with_name(f"{self.path.name}.stale-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self.path, grave)  # only one runner wins this rename
+        except FileNotFoundError:
+            return False
+        grave.unlink(missing_ok=True)
+        self.took_over = info
+        return self.try_acquire()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(max(lease_timeout() / 4, 0.2)):
+            _write_atomic(self.path, self._record())
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+class Runner:
+    def __init__(
+        self,
+        exp: Experiment,
+        prefix: str | Path,
+        *,
+        only: str | None = None,
+        force: str | None = None,
+        max_concurrent: int = 1,
+        backend: str = "local",
+        log=print,
+    ):
+        self.exp, self.prefix = exp, Path(prefix)
+        self.only = re.compile(only) if only else None
+        self.force = re.compile(force) if force else None
+        self.max_concurrent, self.backend, self.log = max(1, max_concurrent), backend, log
+        self.journal = Journal(self.prefix / "experiments" / exp.name / "journal.jsonl")
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    def out(self, step: Step) -> Path:
+        return self.prefix / step.dirname()
+
+    def selected(self) -> list[Step]:
+        steps = self.exp.all_steps()
+        if not self.only:
+            return steps
+        keep = [s for s in steps if self.only.search(s.name)]
+        needed = {id(d) for s in keep for d in _closure(s)}
+        return [s for s in steps if id(s) in needed]
+
+    def result(self, step: Step) -> dict | None:
+        path = self.out(step) / "outcome.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def run(self) -> dict:
+        self.journal.declare(self.exp, [{"name": s.name, "dir": s.dirname()} for s in self.exp.all_steps()])
+        steps = self.selected()
+        status: dict[int, str] = {}
+        results: dict[str, dict] = {}
+        pool = ThreadPoolExecutor(self.max_concurrent)
+        running = {}
+        try:
+            while len(status) < len(steps):
+                for s in steps:
+                    if id(s) in status or any(f is s for f in running.values()):
+                        continue
+                    deps = [status.get(id(d)) for d in s.deps()]
+                    if any(d in ("FAILED", "BLOCKED") for d in deps):
+                        status[id(s)] = "BLOCKED"
+                        self.journal.write(
+                            "step_blocked",
+                            step=s.name,
+                            dir=s.dirname(),
+                            because=[d.name for d in s.deps() if status.get(id(d)) != "SUCCESS"],
+                        )
+                        self.log(f"  {s.name}: not run, a dependency failed")
+                        continue
+                    if all(d == "SUCCESS" for d in deps) and len(running) < self.max_concurrent:
+                        running[self._submit(pool, s)] = s
+                if not running:
+                    continue
+                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    s = running.pop(fut)
+                    status[id(s)], outcome = fut.result()
+                    if outcome is not None:
+                        results[s.name] = outcome
+        finally:
+            pool.shutdown(wait=True)
+        summary = {"steps": {s.name: status[id(s)] for s in steps}, "verdict": None}
+        if all(v == "SUCCESS" for v in summary["steps"].values()) and len(steps) == len(self.exp.all_steps()):
+            v = verdict(self.exp.prediction, self.exp.outcome(results))
+            self.journal.record_verdict(v)
+            summary["verdict"] = v
+        return summary
+
+    def _submit(self, pool, step: Step):
+        if self.backend == "ray":
+            from moelab.lab.ray_backend import submit
+
+            return submit(pool, self, step)
+        return pool.submit(self.run_step, step)
+
+    def run_step(self, step: Step, call=None) -> tuple[str, dict | None]:
+        """Run one step unless a complete output exists; returns (status, outcome)."""
+        forced = bool(self.force and self.force.search(step.name))
+        out = self.out(step)
+        status_path = self.prefix / f"{step.dirname()}.status"
+        if read_status(self.prefix, step) == "SUCCESS" and not forced:
+            return "SUCCESS", self.result(step)
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        lease = Lease(self.prefix / f"{step.dirname()}.lease", self.owner)
+        waited = False
+        while not lease.try_acquire():
+            if not waited:
+                self.log(f"  {step.name}: another runner holds it; waiting")
+                waited = True
+            time.sleep(min(1.0, lease_timeout() / 10))
+            if read_status(self.prefix, step) == "SUCCESS" and not forced:
+                return "SUCCESS", self.result(step)
+        try:
+            before = read_status(self.prefix, step)
+            if before == "SUCCESS" and not forced:  # finished by another runner while we waited
+                return "SUCCESS", self.result(step)
+            if lease.took_over:
+                self.journal.write("lease_taken_over", step=step.name, dir=step.dirname(), stale=lease.took_over)
+            kind = "step_resumed" if before in ("FAILED", "RUNNING") else "step_started"
+            _write_atomic(status_path, {"status": "RUNNING", "owner": self.owner, "time": time.time()})
+            self.journal.write(kind, step=step.name, dir=step.dirname(), previous=before)
+            self.log(f"  {step.name}: {'resuming' if kind == 'step_resumed' else 'running'} into {out}")
+            out.mkdir(parents=True, exist_ok=True)
+            config = resolve(step.config, lambda s: str(self.out(s)))
+            started = time.time()
+            try:
+                outcome = (call or step.fn)(config, out)
+            except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
+                tb = traceback.format_exc()
+                (out / "error.txt").write_text(tb)
+                _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
+                self.journal.write(
+                    "step_failed",
+                    step=step.name,
+                    dir=step.dirname(),
+                    error=f"{type(exc).__name__}: {exc}",
+                    traceback=tb,
+                )
+                self.log(f"  {step.name}: FAILED ({type(exc).__name__}: {exc})")
+                if not isinstance(exc, Exception):
+                    raise
+                return "FAILED", None
+            provenance = {
+                "step": step.name,
+                "identity": step.identity(),
+                "config": config,
+                "git": git_state(),
+                "versions": versions(),
+                "host": host(),
+                "start": started,
+                "end": time.time(),
+            }
+            _write_atomic(out / "provenance.json", provenance)
+            _write_atomic(out / "outcome.json", outcome or {})
+            _write_atomic(status_path, {"status": "SUCCESS", "owner": self.owner, "time": time.time()})
+            self.journal.write("step_finished", step=step.name, dir=step.dirname(), seconds=time.time() - started)
+            self.log(f"  {step.name}: done in {time.time() - started:.1f}s")
+            return "SUCCESS", outcome or {}
+        finally:
+            lease.release()
+
+
+def _closure(step: Step) -> list[Step]:
+    out = [step]
+    for d in step.deps():
+        out.extend(_closure(d))
+    return out

@@ -1,0 +1,311 @@
+"""`moelab report`: a static site of every experiment under a prefix, readable offline.
+
+Plain HTML and CSS with the plots inlined as SVG by matplotlib: no JavaScript, no CDN, no
+server, so the pages open from a folder, an archive or a mail attachment exactly as written.
+Every piece of user text goes through ``html.escape``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import html
+import io
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moelab.lab.journal import Journal
+from moelab.train.record import read_jsonl
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+h1{font-size:1.6em}h2{font-size:1.25em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;
+vertical-align:top;font-size:.92em}th{background:#f4f4f4}pre{background:#f7f7f7;padding:.6em;overflow-x:auto;
+font-size:.85em;white-space:pre-wrap}.CONFIRMED{color:#0a7a28;font-weight:bold}.FALSIFIED{color:#b00020;
+font-weight:bold}.INCONCLUSIVE{color:#a66b00;font-weight:bold}.fail td{background:#fde8e8}
+.change td{background:#fff6d6}.plots{display:flex;flex-wrap:wrap;gap:1em}.plot{flex:1 1 480px}
+.plot svg{width:100%;height:auto}.muted{color:#777}
+"""
+
+E = html.escape
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{E(title)}</title>"
+        f"<meta name=viewport content='width=device-width'><style>{CSS}</style></head><body>{body}"
+        f"<p class=muted>Written by moelab report on {time.strftime('%Y-%m-%d %H:%M')}.</p></body></html>"
+    )
+
+
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _fig(title: str, xlabel: str = "step", ylabel: str = ""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "none"
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def run_plots(run_dir: Path) -> list[tuple[str, str]]:
+    """(title, inline svg) for one training run's metrics.jsonl."""
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    tr = [r for r in recs if r.get("kind") == "train"]
+    ev = [r for r in recs if r.get("kind") == "eval"]
+    plots = []
+    if not tr and not ev:
+        return plots
+    steps = np.array([r["step"] for r in tr])
+
+    fig, ax = _fig("Loss: training, and held-out per domain", ylabel="nats / token")
+    if tr:
+        ax.plot(steps, [r["loss"] for r in tr], color="0.6", lw=1, label="train (batch)")
+    if ev:
+        for d in ev[0]["loss"]:
+            ax.plot(
+                [r["step"] for r in ev],
+                [r["loss"][d] for r in ev],
+                marker=".",
+                lw=1.5 if d == "macro" else 1,
+                label=f"held-out {d}",
+            )
+        forecast = run_dir / "forecast.json"
+        if forecast.exists():
+            f = json.loads(forecast.read_text())
+            ax.fill_between(f["steps"], f["low"], f["high"], alpha=0.2, label="forecast band")
+    ax.legend(fontsize=7)
+    plots.append(("loss", _svg(fig)))
+    if not tr:
+        return plots
+
+    fig, ax = _fig("Learning rate")
+    ax.plot(steps, [r["lr"] for r in tr])
+    plots.append(("lr", _svg(fig)))
+
+    fig, ax = _fig("Gradient norm per parameter group")
+    for g in tr[0]["grad_norm_groups"]:
+        ax.plot(steps, [r["grad_norm_groups"][g] for r in tr], label=g)
+    ax.plot(steps, [r["grad_norm"] for r in tr], color="k", lw=1.5, label="global")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    plots.append(("grad_norm", _svg(fig)))
+
+    fig, ax = _fig("Dropped fraction of assignments per layer")
+    per = np.array([r["dropped_frac_per_layer"] for r in tr])
+    for i in range(per.shape[1]):
+        ax.plot(steps, per[:, i], label=f"layer {i}")
+    ax.legend(fontsize=7)
+    plots.append(("dropped", _svg(fig)))
+
+    load = np.array([r["expert_load"] for r in tr], dtype=float)  # [steps, layers, experts]
+    layers = sorted(set(np.linspace(0, load.shape[1] - 1, min(load.shape[1], 4)).round().astype(int)))
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(layers), 1, figsize=(6.4, 1.6 * len(layers) + 0.8), squeeze=False)
+    for ax, layer in zip(axes[:, 0], layers, strict=True):
+        rel = load[:, layer, :] / load[:, layer, :].mean(axis=1, keepdims=True)
+        im = ax.imshow(
+            rel.T,
+            aspect="auto",
+            cmap="viridis",
+            origin="lower",
+            extent=(steps[0], steps[-1], -0.5, rel.shape[1] - 0.5),
+            vmin=0,
+        )
+        ax.set_ylabel(f"layer {layer}\nexpert", fontsize=8)
+    axes[0, 0].set_title("Expert load over steps (load / mean load)", fontsize=11)
+    axes[-1, 0].set_xlabel("step")
+    fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.8)
+    plots.append(("expert_load", _svg(fig)))
+
+    fig, ax = _fig("Router entropy (1 = uniform over experts)")
+    per = np.array([r["router_entropy_per_layer"] for r in tr])
+    for i in range(per.shape[1]):
+        ax.plot(steps, per[:, i], label=f"layer {i}")
+    ax.legend(fontsize=7)
+    plots.append(("router_entropy", _svg(fig)))
+
+    fig, ax = _fig("Throughput", ylabel="tokens / s")
+    ax.plot(steps, [r["tokens_per_s"] for r in tr], label="tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [100 * r["mfu"] for r in tr], color="tab:red", label="MFU %")
+    ax2.set_ylabel("MFU (%)")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="upper right", fontsize=7)
+    plots.append(("throughput", _svg(fig)))
+    return plots
+
+
+def _timeline(events: list[dict]) -> str:
+    rows = []
+    for e in sorted(events, key=lambda e: e.get("time", 0)):
+        kind = e.get("event", "")
+        cls = (
+            "fail"
+            if kind in ("step_failed", "failure", "nan_skip", "nan_restore", "restart", "gave_up")
+            else ("change" if kind in ("change", "declared", "prediction_registered", "replan") else "")
+        )
+        detail = {k: v for k, v in e.items() if k not in ("time", "event", "traceback", "source")}
+        tb = e.get("traceback")
+        text = E(json.dumps(detail, default=str)[:600])
+        if tb:
+            text += f"<details><summary>traceback</summary><pre>{E(tb)}</pre></details>"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
+        rows.append(
+            f"<tr class='{cls}'><td>{when}</td><td>{E(e.get('source', ''))}</td><td>{E(kind)}</td><td>{text}</td></tr>"
+        )
+    return "<table><tr><th>time</th><th>where</th><th>event</th><th>detail</th></tr>" + "".join(rows) + "</table>"
+
+
+def _config_of(prefix: Path, dirname: str) -> str | None:
+    prov = prefix / dirname / "provenance.json"
+    cfg = prefix / dirname / "config.json"
+    parts = {}
+    if prov.exists():
+        parts["step"] = json.loads(prov.read_text())["config"]
+    if cfg.exists():
+        parts["run"] = json.loads(cfg.read_text())["config"]
+    return json.dumps(parts, indent=1, sort_keys=True) if parts else None
+
+
+def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
+    events = Journal(journal_path).read()
+    declared = [e for e in events if e["event"] == "declared"]
+    preds = [e for e in events if e["event"] == "prediction_registered"]
+    verdicts = [e for e in events if e["event"] == "verdict"]
+    decl = declared[-1] if declared else {"title": journal_path.parent.name, "steps": []}
+    name = journal_path.parent.name
+    body = [
+        f"<p><a href='index.html'>all experiments</a></p><h1>{E(decl.get('title', name))}</h1>",
+        f"<p class=muted>{E(name)}, issue #{E(str(decl.get('issue', '')))}, declaration version {len(declared)}</p>",
+    ]
+    for key in ("goal", "hypothesis", "description"):
+        if decl.get(key):
+            body.append(f"<h2>{key.capitalize()}</h2><p>{E(decl[key])}</p>")
+    body.append("<h2>Prediction against outcome</h2>")
+    if preds:
+        body.append(
+            f"<p>Registered before the run (hash <code>{E(preds[-1]['hash'])}</code>): {E(preds[-1]['text'])}</p>"
+        )
+    if verdicts:
+        v = verdicts[-1]
+        body.append(
+            f"<p class='{E(v['verdict'])}'>{E(v['verdict'])}</p><p>{E(v['metric'])}: outcome "
+            f"{E(str(v['outcome']))}, predicted {E(str(v['predicted']))}; {E(v['why'])}</p>"
+        )
+    else:
+        body.append("<p>No verdict yet.</p>")
+    if len(declared) > 1 or len(preds) > 1:
+        body.append(
+            f"<p>{len(declared)} declaration and {len(preds)} prediction versions are on record; "
+            "every one is in the timeline below.</p>"
+        )
+
+    step_events, compute, statuses = [], 0.0, {}
+    body.append("<h2>Steps</h2><table><tr><th>step</th><th>status</th><th>output</th></tr>")
+    for s in decl.get("steps", []):
+        status_path = prefix / f"{s['dir']}.status"
+        status = json.loads(status_path.read_text())["status"] if status_path.exists() else "PENDING"
+        statuses[s["name"]] = status
+        body.append(f"<tr><td>{E(s['name'])}</td><td>{E(status)}</td><td><code>{E(s['dir'])}</code></td></tr>")
+        for e in read_jsonl(prefix / s["dir"] / "events.jsonl"):
+            step_events.append({**e, "source": s["name"]})
+        summary = prefix / s["dir"] / "summary.json"
+        cfg_path = prefix / s["dir"] / "config.json"
+        if summary.exists() and cfg_path.exists():
+            from moelab import accounting
+            from moelab.config import config_from_dict
+
+            cfg = config_from_dict(json.loads(cfg_path.read_text())["config"])
+            compute += accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops"]
+    body.append("</table>")
+
+    body.append("<h2>Configuration</h2>")
+    previous = {p["name"]: p["dir"] for p in declared[-2]["steps"]} if len(declared) > 1 else {}
+    for s in decl.get("steps", []):
+        text = _config_of(prefix, s["dir"])
+        if text is None:
+            continue
+        body.append(f"<details><summary>{E(s['name'])}</summary><pre>{E(text)}</pre></details>")
+        old_dir = previous.get(s["name"])
+        if old_dir and old_dir != s["dir"]:
+            old = _config_of(prefix, old_dir)
+            if old:
+                diff = "\n".join(
+                    difflib.unified_diff(
+                        old.splitlines(), text.splitlines(), "previous version", "this version", lineterm=""
+                    )
+                )
+                body.append(f"<p>Diff against the previous version:</p><pre>{E(diff)}</pre>")
+
+    for s in decl.get("steps", []):
+        plots = run_plots(prefix / s["dir"])
+        if plots:
+            body.append(f"<h2>Plots: {E(s['name'])}</h2><div class=plots>")
+            body.extend(f"<div class='plot' id='{E(s['name'])}-{k}'>{svg}</div>" for k, svg in plots)
+            body.append("</div>")
+
+    body.append("<h2>Timeline</h2>")
+    body.append(_timeline([{**e, "source": "journal"} for e in events] + step_events))
+    overall = (
+        "FAILED"
+        if "FAILED" in statuses.values()
+        else (
+            "DONE"
+            if statuses and all(v == "SUCCESS" for v in statuses.values())
+            else "RUNNING"
+            if "RUNNING" in statuses.values()
+            else "PENDING"
+        )
+    )
+    info = {
+        "name": name,
+        "title": decl.get("title", name),
+        "status": overall,
+        "verdict": verdicts[-1]["verdict"] if verdicts else None,
+        "compute": compute,
+    }
+    return _page(decl.get("title", name), "".join(body)), info
+
+
+def build_site(prefix: Path, out: Path) -> Path:
+    """Write index.html and one page per experiment; returns the index's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for journal_path in sorted(prefix.glob("experiments/*/journal.jsonl")):
+        page, info = experiment_page(prefix, journal_path)
+        (out / f"{info['name']}.html").write_text(page)
+        v = info["verdict"] or "-"
+        rows.append(
+            f"<tr><td><a href='{E(info['name'])}.html'>{E(info['title'])}</a></td><td>{E(info['status'])}</td>"
+            f"<td class='{E(v)}'>{E(v)}</td><td>{info['compute']:.3g}</td></tr>"
+        )
+    body = (
+        "<h1>moelab experiments</h1><table><tr><th>experiment</th><th>status</th><th>verdict</th>"
+        "<th>training FLOPs spent</th></tr>" + "".join(rows) + "</table>"
+    )
+    if not rows:
+        body += f"<p>No experiments under {E(str(prefix))} yet.</p>"
+    index = out / "index.html"
+    index.write_text(_page("moelab experiments", body))
+    return index

@@ -1,0 +1,337 @@
+"""The open lab: step identities, reuse, failures, leases, concurrent runners, verdicts, journal, site."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MICRO, ROOT
+from moelab.cli import main
+from moelab.lab import Prediction, Step, output_of, verdict, versioned
+from moelab.lab.commands import load_experiment
+from moelab.lab.executor import Runner, read_status
+from moelab.lab.journal import Journal
+
+
+def _noop(cfg, out):
+    return {"value": 1.0}
+
+
+def test_identity_follows_versioned_fields_and_dependencies():
+    def graph(x=1, log=5, y=2):
+        a = Step("a", _noop, {"x": versioned(x), "log_every": log})
+        b = Step("b", _noop, {"input": output_of(a), "y": versioned(y)})
+        return a, b
+
+    a, b = graph()
+    a2, b2 = graph(x=3)
+    assert a2.identity() != a.identity() and b2.identity() != b.identity()  # upstream change moves both
+    a3, b3 = graph(log=100)
+    assert (a3.identity(), b3.identity()) == (a.identity(), b.identity())  # unversioned: same paths
+    a4, b4 = graph(y=7)
+    assert a4.identity() == a.identity() and b4.identity() != b.identity()
+    assert b.dirname() == f"b-{b.identity()}" and b.deps() == [a]
+
+
+# an experiment file whose steps count their runs in COUNTS and can be made to fail or hang
+EXPERIMENT = """
+import os, time
+from pathlib import Path
+from moelab.lab import Experiment, Prediction, Step, output_of, versioned
+
+COUNTS = Path(os.environ["LAB_COUNTS"])
+
+def work(cfg, out):
+    with open(COUNTS / cfg["name"], "a") as fh:
+        fh.write("ran\\n")
+    if os.environ.get("LAB_FAIL") == cfg["name"]:
+        raise RuntimeError("boom in " + cfg["name"])
+    hang = COUNTS / ("hang-" + cfg["name"])
+    if os.environ.get("LAB_HANG") == cfg["name"] and not hang.exists():
+        hang.write_text("started")
+        time.sleep(120)
+    time.sleep(float(os.environ.get("LAB_SLEEP", "0")))
+    (out / "result.txt").write_text(cfg["name"])
+    upstream = cfg.get("input")
+    return {"value": 2.0 + (len(Path(upstream, "result.txt").read_text()) if upstream else 0)}
+
+a = Step("a", work, {"name": "a", "size": versioned(VALUE)})
+b = Step("b", work, {"name": "b", "input": output_of(a)})
+c = Step("c", work, {"name": "c", "input": output_of(b)})
+experiment = Experiment(issue=9, slug="chain", title="TITLE", goal="g", hypothesis=HYPOTHESIS,
+    prediction=Prediction(metric="c:value", value=3.0, low=2.9, high=3.1), steps=[c])
+"""
+
+
+def write_experiment(path: Path, value=1, hypothesis="h", title="a chain") -> Path:
+    text = EXPERIMENT.replace("VALUE", repr(value)).replace("HYPOTHESIS", repr(hypothesis)).replace("TITLE", title)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("LAB_COUNTS", str(counts))
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
+    return {"counts": counts, "prefix": tmp_path / "prefix", "exp": write_experiment(tmp_path / "exp9_chain.py")}
+
+
+def runs(counts: Path) -> dict:
+    return {p.name: len(p.read_text().splitlines()) for p in counts.iterdir() if not p.name.startswith("hang")}
+
+
+def test_second_run_runs_nothing(lab):
+    exp = load_experiment(lab["exp"])
+    first = Runner(exp, lab["prefix"], log=lambda *_: None).run()
+    assert first["steps"] == {"a": "SUCCESS", "b": "SUCCESS", "c": "SUCCESS"}
+    assert first["verdict"]["verdict"] == "CONFIRMED"  # c: 2 + len("b") = 3
+    Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    assert runs(lab["counts"]) == {"a": 1, "b": 1, "c": 1}
+    events = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    assert [e["event"] for e in events].count("verdict") == 1  # the same outcome is judged once
+    for s in exp.all_steps():
+        prov = json.loads((lab["prefix"] / s.dirname() / "provenance.json").read_text())
+        assert {"config", "git", "versions", "host", "start", "end"} <= set(prov)
+    # a versioned change upstream reruns everything downstream of it
+    write_experiment(lab["exp"], value=2)
+    Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    assert runs(lab["counts"]) == {"a": 2, "b": 2, "c": 2}
+
+
+def test_failed_step_blocks_dependents_and_rerun_resumes(lab, monkeypatch):
+    monkeypatch.setenv("LAB_FAIL", "b")
+    exp = load_experiment(lab["exp"])
+    res = Runner(exp, lab["prefix"], log=lambda *_: None).run()
+    assert res["steps"] == {"a": "SUCCESS", "b": "FAILED", "c": "BLOCKED"} and res["verdict"] is None
+    journal = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl")
+    (failed,) = [e for e in journal.read() if e["event"] == "step_failed"]
+    assert "RuntimeError: boom in b" in failed["traceback"] and failed["step"] == "b"
+    assert "c" not in runs(lab["counts"])
+    monkeypatch.delenv("LAB_FAIL")
+    res = Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    assert res["steps"] == {"a": "SUCCESS", "b": "SUCCESS", "c": "SUCCESS"}
+    assert runs(lab["counts"]) == {"a": 1, "b": 2, "c": 1}
+    assert any(e["event"] == "step_resumed" and e["step"] == "b" for e in journal.read())
+
+
+def _run_cli(exp: Path, prefix: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moelab", "run", str(exp), "--prefix", str(prefix)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_killed_runner_leaves_a_stale_lease_that_the_next_takes_over(lab):
+    exp = load_experiment(lab["exp"])
+    proc = _run_cli(lab["exp"], lab["prefix"], {"LAB_HANG": "b"})
+    deadline = time.time() + 60
+    while not (lab["counts"] / "hang-b").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    b = exp.all_steps()[1]
+    lease = lab["prefix"] / f"{b.dirname()}.lease"
+    assert lease.exists() and read_status(lab["prefix"], b) == "RUNNING"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert lease.exists() and read_status(lab["prefix"], b) == "RUNNING"  # never SUCCESS while incomplete
+    assert not (lab["prefix"] / b.dirname() / "outcome.json").exists()
+    res = Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    assert res["steps"]["b"] == "SUCCESS" and not lease.exists()
+    events = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    assert any(e["event"] == "lease_taken_over" and e["step"] == "b" for e in events)
+    assert any(e["event"] == "step_resumed" and e["step"] == "b" for e in events)
+
+
+def test_two_runners_run_each_step_once(lab):
+    procs = [_run_cli(lab["exp"], lab["prefix"], {"LAB_SLEEP": "1"}) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    assert runs(lab["counts"]) == {"a": 1, "b": 1, "c": 1}
+
+
+@pytest.mark.parametrize(
+    "outcome,expected",
+    [
+        (2.05, "CONFIRMED"),
+        (1.9, "CONFIRMED"),
+        (2.5, "FALSIFIED"),
+        (1.7, "FALSIFIED"),
+        (2.15, "INCONCLUSIVE"),
+        (None, "INCONCLUSIVE"),
+        (float("nan"), "INCONCLUSIVE"),
+    ],
+)
+def test_verdicts_on_hand_made_outcomes(outcome, expected):
+    pred = Prediction(metric="s:x", value=2.0, low=1.9, high=2.1, falsify_low=1.8, falsify_high=2.2)
+    v = verdict(pred, outcome)
+    assert v["verdict"] == expected and v["predicted"] == 2.0
+
+
+def test_changed_declaration_is_a_new_version_and_the_old_stays(lab):
+    Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    write_experiment(lab["exp"], hypothesis="a sharper hypothesis")
+    Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    events = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    declared = [e for e in events if e["event"] == "declared"]
+    assert [d["version"] for d in declared] == [1, 2]
+    assert [d["hypothesis"] for d in declared] == ["h", "a sharper hypothesis"]
+    assert len([e for e in events if e["event"] == "prediction_registered"]) == 1
+    assert runs(lab["counts"]) == {"a": 1, "b": 1, "c": 1}  # prose changes rerun nothing
+
+
+def test_dry_run_runs_nothing(lab, capsys):
+    assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "PENDING" in out and "a-" in out and "c-" in out
+    assert runs(lab["counts"]) == {} and not list(lab["prefix"].glob("*.status")) if lab["prefix"].exists() else True
+    assert main(["run", str(tmp := lab["exp"].with_name("missing.py"))]) == 2
+    assert str(tmp) in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a real experiment and its site
+
+REAL = """
+from moelab.lab import Experiment, Prediction, output_of
+from moelab.lab.steps import eval_step, train_step
+
+train = train_step("micro", "tiny", OVERRIDES, progress=False)
+evaluate = eval_step("micro-eval", output_of(train))
+experiment = Experiment(issue=7, slug="micro", title="Micro <b>run</b>", goal="Check the site & its escaping.",
+    hypothesis="Loss falls. <script>alert('owned')</script>",
+    prediction=Prediction(metric="micro-eval:loss_dropless.macro", value=6.0, low=4.0, high=8.0), steps=[evaluate])
+"""
+
+
+@pytest.fixture(scope="module")
+def real_lab(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("real_lab")
+    overrides = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=12"]
+    exp = root / "exp7_micro.py"
+    exp.write_text(REAL.replace("OVERRIDES", repr(overrides)))
+    assert main(["run", str(exp), "--prefix", str(root / "prefix")]) == 0
+    site = root / "site"
+    assert main(["report", "--prefix", str(root / "prefix"), "--out", str(site)]) == 0
+    return {"exp": exp, "prefix": root / "prefix", "site": site}
+
+
+def test_issue_text_has_every_section(real_lab, capsys):
+    assert main(["issue", str(real_lab["exp"]), "--prefix", str(real_lab["prefix"])]) == 0
+    md = capsys.readouterr().out
+    for section in ("## Goal", "## Hypothesis", "## Pre-registered prediction", "## Steps and configs", "## Results"):
+        assert section in md
+    assert "CONFIRMED" in md and "micro-eval:loss_dropless.macro" in md
+    assert "| micro |" in md and "K /" in md  # parameters of the trained config
+
+
+def test_site_escapes_user_text(real_lab):
+    page = (real_lab["site"] / "exp7_micro.html").read_text()
+    assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
+    assert "<script" not in page and "Micro &lt;b&gt;run&lt;/b&gt;" in page
+    index = (real_lab["site"] / "index.html").read_text()
+    assert "exp7_micro.html" in index and "CONFIRMED" in index
+    for key in ("loss", "lr", "grad_norm", "dropped", "expert_load", "router_entropy", "throughput"):
+        assert f"id='micro-{key}'" in page, key
+    assert page.count("<svg") >= 7 and "step_finished" in page and "checkpoint" in page
+
+
+CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium: apt-get install chromium (.ci/run does this)")
+def test_site_opens_in_headless_chromium_without_errors(real_lab, tmp_path):
+    from PIL import Image
+
+    for page in ("index.html", "exp7_micro.html"):
+        shot = tmp_path / f"{page}.png"
+        res = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--enable-logging=stderr",
+                "--v=0",
+                "--window-size=1200,2400",
+                f"--screenshot={shot}",
+                (real_lab["site"] / page).as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert shot.exists(), res.stderr[-2000:]
+        console = [line for line in res.stderr.splitlines() if "CONSOLE" in line or "Failed to load resource" in line]
+        assert not console, console
+        pixels = Image.open(shot).convert("L")
+        lo, hi = pixels.getextrema()
+        assert hi - lo > 100, page  # not blank
+        if page != "index.html":
+            # the plots render: a region below the header holds many distinct shades
+            assert len(set(pixels.crop((0, 600, 1200, 2400)).getdata())) > 50
+
+
+RAY_EXPERIMENT = """
+import os
+from moelab.lab import Experiment, Prediction, Step, versioned
+
+def where(cfg, out):
+    (out / "pid").write_text(str(os.getpid()))
+    return {"pid": os.getpid(), "value": cfg["value"]}
+
+left = Step("left", where, {"value": versioned(1.0)}, resources={"num_cpus": 1})
+right = Step("right", where, {"value": versioned(2.0)}, resources={"num_cpus": 1})
+experiment = Experiment(issue=8, slug="ray", title="two rungs", goal="g", hypothesis="h",
+    prediction=Prediction(metric="right:value", value=2.0, low=1.5, high=2.5), steps=[left, right])
+"""
+
+
+@pytest.mark.slow
+def test_ray_backend_runs_independent_steps_as_tasks(tmp_path):
+    pytest.importorskip("ray", reason="pip install 'moelab[ray]' (make test-all does)")
+    exp = tmp_path / "exp8_ray.py"
+    exp.write_text(RAY_EXPERIMENT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moelab",
+            "run",
+            str(exp),
+            "--prefix",
+            str(tmp_path / "p"),
+            "--backend",
+            "ray",
+            "--max-concurrent",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "CONFIRMED" in res.stdout
+    for out in (tmp_path / "p").glob("*/outcome.json"):
+        runner_pid = json.loads((out.parent / "provenance.json").read_text())["host"]["pid"]
+        assert json.loads(out.read_text())["pid"] != runner_pid  # the work ran in a Ray worker
+    events = Journal(tmp_path / "p" / "experiments" / "exp8_ray" / "journal.jsonl").read()
+    assert sorted(e["step"] for e in events if e["event"] == "step_finished") == ["left", "right"]
