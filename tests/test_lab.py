@@ -335,3 +335,37 @@ def test_ray_backend_runs_independent_steps_as_tasks(tmp_path):
         assert json.loads(out.read_text())["pid"] != runner_pid  # the work ran in a Ray worker
     events = Journal(tmp_path / "p" / "experiments" / "exp8_ray" / "journal.jsonl").read()
     assert sorted(e["step"] for e in events if e["event"] == "step_finished") == ["left", "right"]
+
+
+def test_site_shows_config_diff_and_mid_run_changes(lab, capsys):
+    assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"])]) == 0
+    assert (
+        main(
+            [
+                "change",
+                str(lab["exp"]),
+                "--prefix",
+                str(lab["prefix"]),
+                "--what",
+                "lr x 0.5 <now>",
+                "--why",
+                "gradient norm kept climbing",
+                "--step",
+                "120",
+            ]
+        )
+        == 0
+    )
+    write_experiment(lab["exp"], value=5, hypothesis="second version")
+    assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"])]) == 0
+    assert main(["report", "--prefix", str(lab["prefix"]), "--out", str(lab["prefix"] / "site")]) == 0
+    page = (lab["prefix"] / "site" / "exp9_chain.html").read_text()
+    assert "Diff against the previous version" in page
+    assert "-  &quot;size&quot;: 1" in page and "+  &quot;size&quot;: 5" in page
+    assert "lr x 0.5 &lt;now&gt;" in page and "gradient norm kept climbing" in page
+    events = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    (change,) = [e for e in events if e["event"] == "change"]
+    assert change["at_step"] == 120
+    assert main(["status", "--prefix", str(lab["prefix"])]) == 0
+    out = capsys.readouterr().out
+    assert "exp9_chain (v2)" in out and "SUCCESS" in out and "CONFIRMED" in out

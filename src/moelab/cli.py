@@ -163,31 +163,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json as _json
 
-    from moelab.data.store import build_store
-    from moelab.train import checkpoint, optim
-    from moelab.train.evaluate import Evaluator
-    from moelab.train.loop import load_run_config
-    from moelab.train.record import RunDir
-    from moelab.train.step import init_train_state
+    from moelab.train.evaluate import evaluate_run
 
-    run = RunDir(args.run_dir)
-    cfg = load_run_config(run.path)
-    saved = checkpoint.steps(run.ckpt)
-    if not saved:
-        raise UsageError(f"{run.ckpt}: no complete checkpoint to evaluate")
-    step = saved[-1] if args.checkpoint is None else args.checkpoint
-    if step not in saved:
-        raise UsageError(f"--checkpoint: no checkpoint at step {step} (have: {', '.join(map(str, saved))})")
-    store = build_store(cfg.data, cfg.model.vocab_size, progress=not args.json)
-    opt = optim.make_optimizer(cfg, optim.hyper(cfg))
-    state, _ = checkpoint.restore(run.ckpt, step, init_train_state(cfg, opt))
-    res = {"step": step, **Evaluator(cfg, store)(state["params"], state["model_state"])}
-    (run.path / "evals").mkdir(exist_ok=True)
-    (run.path / "evals" / f"step_{step:08d}.json").write_text(_json.dumps(res, indent=1))
+    res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json)
     if args.json:
         print(_json.dumps(res, indent=1))
         return 0
-    print(f"{run.path} at step {step}")
+    print(f"{args.run_dir} at step {res['step']}")
     print(f"  {'domain':<16} {'loss':>8} {'bits/byte':>10} {'dropless':>9} {'bits/byte':>10}")
     for d in res["loss"]:
         print(
@@ -246,6 +228,17 @@ def cmd_issue(args: argparse.Namespace) -> int:
     from moelab.lab.commands import issue_markdown, load_experiment
 
     print(issue_markdown(load_experiment(args.experiment), Path(args.prefix)), end="")
+    return 0
+
+
+def cmd_change(args: argparse.Namespace) -> int:
+    from moelab.lab.commands import load_experiment
+    from moelab.lab.journal import Journal
+
+    exp = load_experiment(args.experiment)
+    journal = Journal(Path(args.prefix) / "experiments" / exp.name / "journal.jsonl")
+    rec = journal.change(args.what, args.why, args.step)
+    print(f"recorded in {journal.path}: {rec['what']} (why: {rec['why']})")
     return 0
 
 
@@ -340,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiment")
     p.add_argument("--prefix", default="runs/lab")
     p.set_defaults(func=cmd_issue)
+
+    p = sub.add_parser("change", help="record a mid-run change in an experiment's journal: what, why, at which step")
+    p.add_argument("experiment")
+    p.add_argument("--what", required=True)
+    p.add_argument("--why", required=True)
+    p.add_argument("--step", type=int, help="the training step it takes effect at")
+    p.add_argument("--prefix", default="runs/lab")
+    p.set_defaults(func=cmd_change)
 
     p = sub.add_parser("report", help="write the static site of every experiment under a prefix")
     p.add_argument("--prefix", default="runs/lab")

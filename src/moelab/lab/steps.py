@@ -42,15 +42,9 @@ def train_step(name: str, config: str, overrides: list[str] = (), *, progress: b
 def _evaluate(cfg: dict, out: Path) -> dict:
     import json
 
-    from moelab.cli import main
+    from moelab.train.evaluate import evaluate_run
 
-    code = main(
-        ["eval", cfg["run"], "--json"] + (["--checkpoint", str(cfg["checkpoint"])] if cfg.get("checkpoint") else [])
-    )
-    if code != 0:
-        raise RuntimeError(f"moelab eval {cfg['run']} exited with {code}")
-    evals = sorted((Path(cfg["run"]) / "evals").glob("step_*.json"))
-    result = json.loads(evals[-1].read_text())
+    result = evaluate_run(cfg["run"], cfg.get("checkpoint"), progress=False)
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
 

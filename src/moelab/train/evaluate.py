@@ -72,3 +72,31 @@ class Evaluator:
             out[f"loss{suffix}"] = losses
             out[f"bpb{suffix}"] = bpbs
         return out
+
+
+def evaluate_run(run_dir, step: int | None = None, progress: bool = True) -> dict:
+    """`moelab eval`: evaluate a run's newest (or a given) checkpoint; also saved to evals/step_N.json."""
+    import json
+    from pathlib import Path
+
+    from moelab.data.store import build_store
+    from moelab.train import checkpoint, optim
+    from moelab.train.loop import RunRefused, load_run_config
+    from moelab.train.record import RunDir
+    from moelab.train.step import init_train_state
+
+    run = RunDir(run_dir)
+    cfg = load_run_config(run.path)
+    saved = checkpoint.steps(run.ckpt)
+    if not saved:
+        raise RunRefused(f"{run.ckpt}: no complete checkpoint to evaluate")
+    step = saved[-1] if step is None else step
+    if step not in saved:
+        raise RunRefused(f"--checkpoint: no checkpoint at step {step} (have: {', '.join(map(str, saved))})")
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
+    opt = optim.make_optimizer(cfg, optim.hyper(cfg))
+    state, _ = checkpoint.restore(run.ckpt, step, init_train_state(cfg, opt))
+    res = {"step": step, **Evaluator(cfg, store)(state["params"], state["model_state"])}
+    (Path(run.path) / "evals").mkdir(exist_ok=True)
+    (Path(run.path) / "evals" / f"step_{step:08d}.json").write_text(json.dumps(res, indent=1))
+    return res
