@@ -67,6 +67,15 @@ def _fig(title: str, xlabel: str = "step", ylabel: str = ""):
     return fig, ax
 
 
+def _per_layer(steps: np.ndarray, tr: list[dict], key: str, title: str) -> str:
+    fig, ax = _fig(title)
+    per = np.array([r[key] for r in tr])
+    for i in range(per.shape[1]):
+        ax.plot(steps, per[:, i], label=f"layer {i}")
+    ax.legend(fontsize=7)
+    return _svg(fig)
+
+
 def run_plots(run_dir: Path) -> list[tuple[str, str]]:
     """(title, inline svg) for one training run's metrics.jsonl."""
     recs = read_jsonl(run_dir / "metrics.jsonl")
@@ -110,12 +119,9 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
     ax.legend(fontsize=7)
     plots.append(("grad_norm", _svg(fig)))
 
-    fig, ax = _fig("Dropped fraction of assignments per layer")
-    per = np.array([r["dropped_frac_per_layer"] for r in tr])
-    for i in range(per.shape[1]):
-        ax.plot(steps, per[:, i], label=f"layer {i}")
-    ax.legend(fontsize=7)
-    plots.append(("dropped", _svg(fig)))
+    plots.append(
+        ("dropped", _per_layer(steps, tr, "dropped_frac_per_layer", "Dropped fraction of assignments per layer"))
+    )
 
     load = np.array([r["expert_load"] for r in tr], dtype=float)  # [steps, layers, experts]
     layers = sorted(set(np.linspace(0, load.shape[1] - 1, min(load.shape[1], 4)).round().astype(int)))
@@ -138,12 +144,12 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
     fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.8)
     plots.append(("expert_load", _svg(fig)))
 
-    fig, ax = _fig("Router entropy (1 = uniform over experts)")
-    per = np.array([r["router_entropy_per_layer"] for r in tr])
-    for i in range(per.shape[1]):
-        ax.plot(steps, per[:, i], label=f"layer {i}")
-    ax.legend(fontsize=7)
-    plots.append(("router_entropy", _svg(fig)))
+    plots.append(
+        (
+            "router_entropy",
+            _per_layer(steps, tr, "router_entropy_per_layer", "Router entropy (1 = uniform over experts)"),
+        )
+    )
 
     fig, ax = _fig("Throughput", ylabel="tokens / s")
     ax.plot(steps, [r["tokens_per_s"] for r in tr], label="tokens/s")
