@@ -250,6 +250,50 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
+    import csv
+
+    import numpy as np
+
+    from moelab.ladder.fits import fit_chinchilla
+
+    path = Path(args.csv)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such CSV file")
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for flag, col in (("--n-col", args.n_col), ("--flops-col", args.flops_col), ("--loss-col", args.loss_col)):
+        if not rows or col not in rows[0]:
+            raise UsageError(f"{path}: no column {col!r} ({flag}); columns: {', '.join(rows[0]) if rows else 'none'}")
+    try:
+        n = np.array([float(r[args.n_col]) for r in rows])
+        c = np.array([float(r[args.flops_col]) for r in rows])
+        loss = np.array([float(r[args.loss_col]) for r in rows])
+    except ValueError as exc:
+        raise UsageError(f"{path}: a value is not a number ({exc})") from None
+    if args.exclude_top:
+        keep = np.argsort(loss, kind="stable")[: len(loss) - args.exclude_top]
+        n, c, loss = n[keep], c[keep], loss[keep]
+    fit = fit_chinchilla(n, c / (6 * n), loss, delta=args.delta, method=args.method)
+    out = {
+        "E": fit.E,
+        "A": fit.A,
+        "B": fit.B,
+        "alpha": fit.alpha,
+        "beta": fit.beta,
+        "objective": fit.objective,
+        "points": int(len(loss)),
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(
+            f"L(N, D) = {fit.E:.4f} + {fit.A:.1f} / N^{fit.alpha:.4f} + {fit.B:.1f} / D^{fit.beta:.4f}"
+            f"   (D = C / 6N; {len(loss)} points; summed Huber objective {fit.objective:.7f})"
+        )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -346,6 +390,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="runs/lab")
     p.add_argument("--out", required=True, help="the site's folder")
     p.set_defaults(func=cmd_report)
+
+    ladder = sub.add_parser("ladder", help="scaling-ladder tools").add_subparsers(dest="ladder_command", required=True)
+    p = ladder.add_parser("fit-nd", help="fit Chinchilla's L(N, D) = E + A/N^alpha + B/D^beta to a CSV of runs")
+    p.add_argument("csv")
+    p.add_argument("--n-col", required=True, help="column of parameter counts N")
+    p.add_argument("--flops-col", required=True, help="column of training FLOPs C (D = C / 6N)")
+    p.add_argument("--loss-col", required=True)
+    p.add_argument("--exclude-top", type=int, default=0, metavar="K", help="leave out the K highest losses")
+    p.add_argument("--delta", type=float, default=1e-3, help="Huber delta on log-loss (1e-3)")
+    p.add_argument(
+        "--method",
+        choices=["projection", "grid"],
+        default="projection",
+        help="starting points: variable projection (seconds) or Hoffmann et al.'s grid (a minute)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ladder_fit_nd)
 
     p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
     p.add_argument("--experiment", help="an experiment file (default: experiments/exp4_tiny_stdlib.py)")
