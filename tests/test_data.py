@@ -213,3 +213,32 @@ def test_unknown_domain_in_mixture_is_named(corpus):
     store = build_store(cfg.data, 512, progress=False)
     with pytest.raises(S.DataError, match=r"data.mixture\[0\].poetry: unknown domain"):
         build_mixture(cfg, store)
+
+
+def test_a_failure_while_tokenizing_leaves_no_store(corpus, tmp_path, monkeypatch):
+    cfg = data_cfg(corpus)
+
+    def broken(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(store_mod, "_encode", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    assert not list((tmp_path / "cache").glob("*"))  # neither a complete store nor a temporary one
+
+
+def test_more_bad_inputs_are_one_line_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": "a"}\n' + "[" * 200000 + "\n")
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"text": "a"}\n{"text": "\\ud800"}\n')
+    for path, message in ((deep, f"{deep}:2: not valid JSON"), (surrogate, f"{surrogate}:2: field 'text' holds")):
+        with pytest.raises(S.DataError) as info:
+            list(S.iter_documents(S.resolve([str(path)])[0]))
+        assert message in str(info.value)
+    table = pa.table({"text": pa.array(["x", "y", "x"]).dictionary_encode()})
+    pq.write_table(table, tmp_path / "dict.parquet")
+    assert [d.text for d in S.iter_documents(S.resolve([str(tmp_path / "dict.parquet")])[0])] == ["x", "y", "x"]

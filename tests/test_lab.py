@@ -197,7 +197,8 @@ def test_dry_run_runs_nothing(lab, capsys):
     assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"]), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "PENDING" in out and "a-" in out and "c-" in out
-    assert runs(lab["counts"]) == {} and not list(lab["prefix"].glob("*.status")) if lab["prefix"].exists() else True
+    assert runs(lab["counts"]) == {}
+    assert not list(lab["prefix"].glob("*.status")) and not list(lab["prefix"].glob("*-*/outcome.json"))
     assert main(["run", str(tmp := lab["exp"].with_name("missing.py"))]) == 2
     assert str(tmp) in capsys.readouterr().err
 
@@ -369,3 +370,37 @@ def test_site_shows_config_diff_and_mid_run_changes(lab, capsys):
     assert main(["status", "--prefix", str(lab["prefix"])]) == 0
     out = capsys.readouterr().out
     assert "exp9_chain (v2)" in out and "SUCCESS" in out and "CONFIRMED" in out
+
+
+def test_force_reruns_the_step_and_what_depends_on_it(lab):
+    Runner(load_experiment(lab["exp"]), lab["prefix"], log=lambda *_: None).run()
+    exp = load_experiment(lab["exp"])
+    res = Runner(exp, lab["prefix"], force="^b$", log=lambda *_: None).run()
+    assert res["steps"] == {"a": "SUCCESS", "b": "SUCCESS", "c": "SUCCESS"}
+    assert runs(lab["counts"]) == {"a": 1, "b": 2, "c": 2}
+    b = exp.all_steps()[1]
+    assert list(lab["prefix"].glob(f"{b.dirname()}.replaced-*"))  # the old output is kept
+
+
+def test_a_lease_left_empty_by_a_crash_is_taken_over(lab):
+    exp = load_experiment(lab["exp"])
+    a = exp.all_steps()[0]
+    lab["prefix"].mkdir(parents=True)
+    lease = lab["prefix"] / f"{a.dirname()}.lease"
+    lease.write_text("")
+    os.utime(lease, (time.time() - 60, time.time() - 60))
+    res = Runner(exp, lab["prefix"], log=lambda *_: None).run()
+    assert res["steps"]["a"] == "SUCCESS" and not lease.exists()
+
+
+def test_a_live_lease_is_not_taken_and_a_lost_lease_is_not_released(tmp_path, monkeypatch):
+    from moelab.lab.executor import Lease
+
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "30")
+    path = tmp_path / "x.lease"
+    first = Lease(path, "first")
+    assert first.try_acquire()
+    assert not Lease(path, "second").try_acquire()  # live: the second waits
+    path.write_text(json.dumps({"owner": "third", "heartbeat": time.time()}))  # taken over elsewhere
+    first.release()
+    assert json.loads(path.read_text())["owner"] == "third"  # release leaves the new owner's lease alone

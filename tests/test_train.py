@@ -333,3 +333,25 @@ def test_trackers_mirror_the_metrics(corpus, tmp_path):
     (wb,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"train/loss" in wb.read_bytes()
     assert (out / "metrics.jsonl").exists()  # the local files are always written
+
+
+def test_nan_streak_across_a_checkpoint_resumes_exactly(corpus, tmp_path):
+    poison = ("--set", "train.poison_steps=[8, 9, 10]", "--set", "train.eval_every=24")
+    ref = _train_cli(corpus, tmp_path / "ref", *poison, steps=24)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = _train_cli(corpus, tmp_path / "run", *poison, steps=24, env={"MOELAB_TEST_FAULTS": "kill@10"})
+    assert killed.returncode == -9
+    resumed = _train_cli(corpus, tmp_path / "run", *poison, "--resume", steps=24)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _trajectory(tmp_path / "run") == _trajectory(tmp_path / "ref")
+    for run in ("ref", "run"):
+        restores = [e for e in read_jsonl(tmp_path / run / "events.jsonl") if e["event"] == "nan_restore"]
+        assert [r["skipping"] for r in restores] == [[8, 9, 10]], run
+
+
+def test_skipped_steps_at_the_end_still_evaluate_and_checkpoint(corpus, tmp_path):
+    cfg = _micro(corpus, "train.steps=24", "train.poison_steps=[21, 22, 23]", "train.eval_every=12")
+    summary = train(cfg, tmp_path / "run", progress=False)
+    evals = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [0, 12, 24] and 24 in checkpoint.steps(tmp_path / "run" / "ckpt")
+    assert summary["final_eval"]["loss"]["macro"] < summary["first_eval"]["loss"]["macro"]

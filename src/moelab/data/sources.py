@@ -126,7 +126,10 @@ def _iter_dir(src: Source) -> Iterator[Document]:
     if not files:
         raise DataError(f"{src.spec}: no text files ({' '.join(TEXT_SUFFIXES)}) in this directory")
     for path in files:
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -144,12 +147,16 @@ def _iter_jsonl(src: Source, field: str) -> Iterator[Document]:
                     continue
                 try:
                     obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                     raise DataError(f"{src.path}:{lineno}: not valid JSON") from None
                 if not isinstance(obj, dict) or field not in obj:
                     raise DataError(f"{src.path}:{lineno}: no {field!r} field (set data.text_field)")
                 if not isinstance(obj[field], str):
                     raise DataError(f"{src.path}:{lineno}: field {field!r} is not a string")
+                try:
+                    obj[field].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise DataError(f"{src.path}:{lineno}: field {field!r} holds a lone surrogate, not text") from None
                 yield Document(src.domains[0], f"{src.path.name}:{lineno}", obj[field])
     except (OSError, EOFError, zlib.error) as exc:
         raise DataError(f"{src.path}: cannot be read ({type(exc).__name__}: {exc}); is it truncated?") from None
@@ -168,6 +175,8 @@ def _iter_parquet(src: Source, field: str) -> Iterator[Document]:
             raise DataError(f"{src.path}: no column {field!r} (set data.text_field)") from None
         raise DataError(f"{src.path}: not a readable parquet file ({msg}); is it truncated?") from None
     column = table.column(0)
+    if pa.types.is_dictionary(column.type):  # dictionary-encoded strings are still strings
+        column = column.cast(column.type.value_type)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise DataError(f"{src.path}: column {field!r} is {column.type}, not text")
     for row, text in enumerate(column.to_pylist()):

@@ -133,9 +133,9 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
     lines += ["", "## Results", ""]
     if verdicts:
         v = verdicts[-1]
+        outcome = "no value" if v["outcome"] is None else f"{v['outcome']:.6g}"
         lines += [
-            f"**{v['verdict']}**: {v['metric']} = {v['outcome']:.6g} against the predicted {v['predicted']:g} "
-            f"({v['why']})."
+            f"**{v['verdict']}**: {v['metric']} = {outcome} against the predicted {v['predicted']:g} ({v['why']})."
         ]
         failures = [e for e in events if e["event"] == "step_failed"]
         if failures:

@@ -50,6 +50,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: dict | None = None
+        self.lost = False
 
     def _record(self) -> dict:
         return {"owner": self.owner, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
@@ -67,29 +68,51 @@ class Lease:
 
     def _take_over_if_stale(self) -> bool:
         try:
-            info = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False  # being written or just released: look again later
-        if time.time() - info.get("heartbeat", 0) <= lease_timeout():
+            text, mtime = self.path.read_text(), self.path.stat().st_mtime
+        except FileNotFoundError:
+            return False  # just released: look again
+        try:
+            info = json.loads(text)
+            beat = info.get("heartbeat", 0)
+        except json.JSONDecodeError:  # a runner died between creating and writing it
+            info, beat = {"unreadable": text[:200]}, mtime
+        if time.time() - beat <= lease_timeout():
             return False
         grave = self.path.with_name(f"{self.path.name}.stale-{uuid.uuid4().hex[:8]}")
         try:
             os.rename(self.path, grave)  # only one runner wins this rename
         except FileNotFoundError:
             return False
+        if grave.read_text() != text:  # another runner took it over between our look and our rename
+            try:
+                os.link(grave, self.path)  # give theirs back, unless a newer lease is already there
+            except FileExistsError:
+                pass
+            grave.unlink(missing_ok=True)
+            return False
         grave.unlink(missing_ok=True)
         self.took_over = info
         return self.try_acquire()
 
+    def owned(self) -> bool:
+        try:
+            return json.loads(self.path.read_text()).get("owner") == self.owner
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
     def _beat(self) -> None:
         while not self._stop.wait(max(lease_timeout() / 4, 0.2)):
+            if not self.owned():  # taken over while we stalled: stop claiming it
+                self.lost = True
+                return
             _write_atomic(self.path, self._record())
 
     def release(self) -> None:
         self._stop.set()
         if self._thread:
             self._thread.join()
-        self.path.unlink(missing_ok=True)
+        if self.owned():
+            self.path.unlink(missing_ok=True)
 
 
 class Runner:
@@ -129,6 +152,11 @@ class Runner:
     def run(self) -> dict:
         self.journal.declare(self.exp, [{"name": s.name, "dir": s.dirname()} for s in self.exp.all_steps()])
         steps = self.selected()
+        # a forced step runs again, and so does everything downstream of it in this run
+        self._forced = set()
+        for s in steps:
+            if (self.force and self.force.search(s.name)) or any(id(d) in self._forced for d in s.deps()):
+                self._forced.add(id(s))
         status: dict[int, str] = {}
         results: dict[str, dict] = {}
         pool = ThreadPoolExecutor(self.max_concurrent)
@@ -177,7 +205,7 @@ class Runner:
 
     def run_step(self, step: Step, call=None) -> tuple[str, dict | None]:
         """Run one step unless a complete output exists; returns (status, outcome)."""
-        forced = bool(self.force and self.force.search(step.name))
+        forced = id(step) in getattr(self, "_forced", set())
         out = self.out(step)
         status_path = self.prefix / f"{step.dirname()}.status"
         if read_status(self.prefix, step) == "SUCCESS" and not forced:
@@ -198,6 +226,11 @@ class Runner:
                 return "SUCCESS", self.result(step)
             if lease.took_over:
                 self.journal.write("lease_taken_over", step=step.name, dir=step.dirname(), stale=lease.took_over)
+            if forced and out.exists():  # keep the old output beside the new one: nothing is lost
+                old = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.rename(out, old)
+                self.journal.write("step_forced", step=step.name, dir=step.dirname(), previous_output=old.name)
+                before = "PENDING"
             kind = "step_resumed" if before in ("FAILED", "RUNNING") else "step_started"
             _write_atomic(status_path, {"status": "RUNNING", "owner": self.owner, "time": time.time()})
             self.journal.write(kind, step=step.name, dir=step.dirname(), previous=before)
@@ -222,6 +255,8 @@ class Runner:
                 if not isinstance(exc, Exception):
                     raise
                 return "FAILED", None
+            if lease.lost:
+                self.journal.write("lease_lost", step=step.name, dir=step.dirname())
             provenance = {
                 "step": step.name,
                 "identity": step.identity(),

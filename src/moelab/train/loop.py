@@ -114,10 +114,13 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
     opt = optim.make_optimizer(cfg, h)
     state = init_train_state(cfg, opt)
     start, skip, cursor_ok = 0, set(), False
+    # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
+    guard = {"consecutive": 0, "restored": False}
     saved = checkpoint.steps(run.ckpt)
     if resume and saved:
         state, meta = checkpoint.restore(run.ckpt, saved[-1], state)
         start, skip = meta["step"], set(meta["skip_steps"])
+        guard.update(meta.get("nan_guard", {}))
         run.truncate_metrics(meta["metrics_cursor"])
         cursor_ok = True
         run.event("resume", step=start, checkpoint=saved[-1])
@@ -165,6 +168,7 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
             "step": done,
             "metrics_cursor": run.metrics_cursor(),
             "skip_steps": sorted(skip),
+            "nan_guard": dict(guard),
             "config_hash": config_hash(cfg),
             "seed": cfg.train.seed,
             "time": time.time(),
@@ -172,37 +176,63 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
         path = checkpoint.save(run.ckpt, done, state, meta, cfg.train.keep_last, cfg.train.keep_every, fault)
         run.event("checkpoint", step=done, path=str(path.relative_to(run.path)))
 
+    def after_step(done: int, metrics, timing: list) -> None:
+        """Log (when the step ran), evaluate and checkpoint after step ``done``."""
+        if metrics is not None and (done % cfg.train.log_every == 0 or done == steps):
+            m = jax.device_get(metrics)
+            t_sum, n = timing
+            tps = n * b * s_len / t_sum if n else float("nan")
+            extra = {
+                "tokens_per_s": tps,
+                "step_time": t_sum / n if n else float("nan"),
+                "mfu": tps * flops_per_token / peak,
+                "phase": mixture.phase_at(done - 1),
+            }
+            rec = _train_record(done, cfg, m, extra)
+            append_jsonl(run.metrics, rec)
+            for t in trackers:
+                t.log(rec)
+            bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
+            timing[:] = [0.0, 0]
+        if done in evals:
+            do_eval(done)
+        if done % cfg.train.checkpoint_every == 0 or done == steps:
+            do_checkpoint(done)
+            guard["restored"] = False
+
     try:
         if start == 0 and not cursor_ok:
             do_eval(0)
         bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=None if progress else True)
-        consecutive, restored, interval_t, interval_steps, warm = 0, False, 0.0, 0, False
+        timing, warm = [0.0, 0], False  # seconds and steps since the last log line
         s = start
         while s < steps:
             if fault:
                 fault("step", s)
-            if s in skip:
+            if s in skip:  # a batch the NaN guard ruled out: no update, evals and checkpoints as usual
                 s += 1
                 bar.update(1)
+                after_step(s, None, timing)
                 continue
             batch, _ = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
             t0 = time.perf_counter()
             state, metrics = step_fn(state, batch, np.int32(s), np.bool_(s in poison))
             finite = bool(metrics["finite"])
             if warm:  # the first step in a process compiles; it is not timed
-                interval_t += time.perf_counter() - t0
-                interval_steps += 1
+                timing[0] += time.perf_counter() - t0
+                timing[1] += 1
             warm = True
             if not finite:
-                consecutive += 1
+                guard["consecutive"] += 1
                 run.event("nan_skip", step=s, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]))
-                if consecutive >= cfg.train.nan_patience:
+                if guard["consecutive"] >= cfg.train.nan_patience:
+                    n_bad = guard["consecutive"]
+                    bad = [x for x in range(s, -1, -1) if x not in skip][:n_bad][::-1]
                     ckpts = checkpoint.steps(run.ckpt)
-                    bad = list(range(s - consecutive + 1, s + 1))
-                    if restored or not ckpts:
-                        why = "again after a restore" if restored else "and there is no checkpoint to restore"
+                    if guard["restored"] or not ckpts:
+                        why = "again after a restore" if guard["restored"] else "and there is no checkpoint to restore"
                         raise RunError(
-                            f"NaN guard: {consecutive} non-finite steps in a row (steps {bad[0]}-{bad[-1]}) {why}; "
+                            f"NaN guard: {n_bad} non-finite steps in a row (steps {bad[0]}-{bad[-1]}) {why}; "
                             f"stopping. Checkpoints and metrics are kept in {run.path}"
                         )
                     state, meta = checkpoint.restore(run.ckpt, ckpts[-1], state)
@@ -211,37 +241,14 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
                     run.truncate_metrics(meta["metrics_cursor"])
                     run.event("nan_restore", at_step=s, restored_step=ckpts[-1], skipping=bad)
                     bar.update(ckpts[-1] - (s + 1))
-                    s, consecutive, restored = ckpts[-1], 0, True
+                    s = ckpts[-1]
+                    guard.update(consecutive=0, restored=True)
                     continue
             else:
-                consecutive = 0
+                guard["consecutive"] = 0
             s += 1
             bar.update(1)
-            done = s
-            if done % cfg.train.log_every == 0 or done == steps:
-                m = jax.device_get(metrics)
-                tps = interval_steps * b * s_len / interval_t if interval_steps else float("nan")
-                rec = _train_record(
-                    done,
-                    cfg,
-                    m,
-                    {
-                        "tokens_per_s": tps,
-                        "step_time": interval_t / interval_steps if interval_steps else float("nan"),
-                        "mfu": tps * flops_per_token / peak,
-                        "phase": mixture.phase_at(done - 1),
-                    },
-                )
-                append_jsonl(run.metrics, rec)
-                for t in trackers:
-                    t.log(rec)
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
-                interval_t, interval_steps = 0.0, 0
-            if done in evals:
-                do_eval(done)
-            if done % cfg.train.checkpoint_every == 0 or done == steps:
-                do_checkpoint(done)
-                restored = False
+            after_step(s, metrics, timing)
         bar.close()
     except RunError as exc:
         run.event("failure", error=str(exc))
