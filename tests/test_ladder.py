@@ -99,3 +99,71 @@ def test_marin_form_recovers_known_law_and_intervals_cover_it(given_e):
             assert fit.predict(1e24) == pytest.approx(E + A * 1e24**-alpha, rel=0.02)
     # 90% intervals from a bootstrap over 8 points: most trials cover the truth
     assert hits["alpha"] >= 0.6 * trials and hits["A"] >= 0.6 * trials, hits
+
+
+# ------------------------------------------------------------------ health checks on synthetic runs
+
+from moelab.ladder.health import check_records  # noqa: E402
+
+
+def synthetic_run(n=100, seed=0, fault=None, at=60):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(1, n + 1):
+        step = 10 * i
+        loss = 2.0 + 6.0 * np.exp(-i / 15) + rng.normal(0, 0.02)
+        gn = 1.0 + 0.5 * np.sin(i / 30) + rng.normal(0, 0.03)
+        drop = 0.01 + rng.normal(0, 0.001)
+        if fault == "loss_jump" and i >= at:
+            loss += 1.5
+        if fault == "grad_doubling" and i >= at:
+            gn *= 2.0 ** (i - at + 1)
+        if fault == "drops_climbing" and i >= at:
+            drop += 0.02 * (i - at + 1)
+        recs.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "grad_norm": gn,
+                "dropped_frac": drop,
+                "router_entropy": 0.92,
+                "mfu": 0.2 + rng.normal(0, 0.005),
+                "lr": 1e-3,
+                "bias_std": 0.3,
+                "param_norm_groups": {"embedding": 100 + 0.1 * i},
+            }
+        )
+        if i % 10 == 0:
+            recs.append({"kind": "eval", "step": step, "loss": {"macro": loss + 0.1}})
+    return recs
+
+
+def alerts(mon):
+    return [(f.check, f.step) for f in mon.findings if f.level == "ALERT"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clean_synthetic_run_raises_no_alert(seed):
+    mon = check_records(synthetic_run(seed=seed), lr_at=lambda s: 1e-3)
+    assert alerts(mon) == []
+
+
+@pytest.mark.parametrize(
+    "fault,check",
+    [("loss_jump", "loss_decreasing"), ("grad_doubling", "grad_norm_growth"), ("drops_climbing", "drops_trend")],
+)
+def test_synthetic_faults_raise_an_alert_at_the_right_step(fault, check):
+    mon = check_records(synthetic_run(fault=fault, at=60), lr_at=lambda s: 1e-3)
+    found = [step for c, step in alerts(mon) if c == check]
+    assert found, alerts(mon)
+    assert 600 <= found[0] <= 600 + 5 * 10, found  # within five log steps of the fault at step 600
+    assert all(step >= 600 for _, step in alerts(mon))  # nothing flagged before it
+
+
+def test_wrong_learning_rate_and_non_finite_values_alert():
+    recs = synthetic_run(n=30)
+    recs[20]["lr"] = 5e-3
+    recs[25]["loss"] = float("nan")
+    mon = check_records(recs, lr_at=lambda s: 1e-3)
+    assert ("lr_schedule", recs[20]["step"]) in alerts(mon) and ("non_finite", recs[25]["step"]) in alerts(mon)

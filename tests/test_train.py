@@ -355,3 +355,15 @@ def test_skipped_steps_at_the_end_still_evaluate_and_checkpoint(corpus, tmp_path
     evals = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals == [0, 12, 24] and 24 in checkpoint.steps(tmp_path / "run" / "ckpt")
     assert summary["final_eval"]["loss"]["macro"] < summary["first_eval"]["loss"]["macro"]
+
+
+def test_health_runs_in_the_loop_and_offline(corpus, tmp_path, capsys):
+    cfg = _micro(corpus, "train.steps=20", "train.eval_every=10", "train.poison_steps=[15]")
+    train(cfg, tmp_path / "run", progress=False)
+    health = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "health"]
+    assert any(e["check"] == "non_finite" and e["level"] == "ALERT" and e["step"] == 16 for e in health)
+    assert "ALERT at step 16: non_finite" in capsys.readouterr().err  # printed at once
+    assert main(["health", str(tmp_path / "run"), "--json"]) == 0
+    rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["non_finite"]["first_alert"] == 16 and rows["non_finite"]["level"] == "OK"  # recovered
+    assert rows["lr_schedule"]["level"] == "OK"

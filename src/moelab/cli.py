@@ -294,6 +294,33 @@ def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from moelab.ladder.health import check_records
+    from moelab.train import optim
+    from moelab.train.loop import load_run_config
+    from moelab.train.record import RunDir, read_jsonl
+
+    if args.forecast or args.ladder:
+        raise UsageError("--forecast/--ladder: comparing with a ladder is not built yet; run without them")
+    run = RunDir(args.run_dir)
+    cfg = load_run_config(run.path)
+    h = optim.hyper(cfg)
+    mon = check_records(read_jsonl(run.metrics), lr_at=lambda s: h.peak_lr * float(optim.lr_factor(s, h)))
+    rows = []
+    for check, level in sorted(mon.state.items()):
+        last = [f for f in mon.findings if f.check == check][-1]
+        first_alert = next((f.step for f in mon.findings if f.check == check and f.level == "ALERT"), None)
+        rows.append({"check": check, "level": level, "evidence": last.evidence, "first_alert": first_alert})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{run.path}: health")
+    for r in rows:
+        alert = f" (first ALERT at step {r['first_alert']})" if r["first_alert"] is not None else ""
+        print(f"  {r['level']:<6} {r['check']:<20} {r['evidence']}{alert}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -407,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_fit_nd)
+
+    p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
+    p.add_argument("run_dir")
+    p.add_argument("--forecast", help="(not built yet) a forecast.json to hold the eval loss against")
+    p.add_argument("--ladder", action="append", help="(not built yet) ladder run directories to compare with")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
     p.add_argument("--experiment", help="an experiment file (default: experiments/exp4_tiny_stdlib.py)")

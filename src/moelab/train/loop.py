@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -20,9 +21,19 @@ from moelab import accounting
 from moelab.config import Config, config_from_dict, config_hash, to_dict
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
+from moelab.ladder.health import HealthMonitor
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
-from moelab.train.record import RunDir, append_jsonl, enable_compile_cache, git_state, host, matmul_peak, versions
+from moelab.train.record import (
+    RunDir,
+    append_jsonl,
+    enable_compile_cache,
+    git_state,
+    host,
+    matmul_peak,
+    read_jsonl,
+    versions,
+)
 from moelab.train.step import init_train_state, make_train_step
 
 FAULT_ENV = "MOELAB_TEST_FAULTS"  # testing aid: "kill@STEP,kill_in_save@STEP", each fires once per run
@@ -146,6 +157,20 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
     flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
     evals = eval_points(cfg, steps)
     poison = set(cfg.train.poison_steps)
+    # health checks see every record; a resumed run's monitor first re-reads what survived
+    monitor = HealthMonitor(lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)))
+    monitor.reset(read_jsonl(run.metrics))
+
+    def record(rec: dict) -> None:
+        append_jsonl(run.metrics, rec)
+        for t in trackers:
+            t.log(rec)
+        for f in monitor.update(rec):
+            if f.first and f.level == "OK":
+                continue  # only changes of level are events
+            run.event("health", check=f.check, level=f.level, step=f.step, evidence=f.evidence)
+            if f.level == "ALERT":
+                tqdm.write(f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}", file=sys.stderr)
 
     def do_eval(done: int) -> dict:
         t0 = time.perf_counter()
@@ -157,9 +182,7 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
             **res,
             "eval_seconds": time.perf_counter() - t0,
         }
-        append_jsonl(run.metrics, rec)
-        for t in trackers:
-            t.log(rec)
+        record(rec)
         run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
         return rec
 
@@ -188,10 +211,7 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
                 "mfu": tps * flops_per_token / peak,
                 "phase": mixture.phase_at(done - 1),
             }
-            rec = _train_record(done, cfg, m, extra)
-            append_jsonl(run.metrics, rec)
-            for t in trackers:
-                t.log(rec)
+            record(_train_record(done, cfg, m, extra))
             bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
             timing[:] = [0.0, 0]
         if done in evals:
@@ -239,6 +259,7 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
                     skip.update(bad)
                     skip.update(meta["skip_steps"])
                     run.truncate_metrics(meta["metrics_cursor"])
+                    monitor.reset(read_jsonl(run.metrics))
                     run.event("nan_restore", at_step=s, restored_step=ckpts[-1], skipping=bad)
                     bar.update(ckpts[-1] - (s + 1))
                     s = ckpts[-1]

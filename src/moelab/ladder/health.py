@@ -1,0 +1,166 @@
+"""Health checks on a run's metrics, in the training loop and offline (`moelab health RUN_DIR`).
+
+Marin's checklist as code: each check reads the metrics records as they arrive and says OK,
+WATCH or ALERT with its evidence. Without a ladder or forecast a check compares the run with
+its own recent past; with them (later) it compares with the ladder's pattern at the same
+fraction of training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LEVELS = ("OK", "WATCH", "ALERT")
+
+
+@dataclass
+class Finding:
+    check: str
+    level: str
+    step: int
+    evidence: str
+    first: bool = False  # the check's first word on this run
+
+
+@dataclass
+class HealthMonitor:
+    """Feed it metrics records in order; ``update`` returns the findings that changed level."""
+
+    lr_at: object = None  # callable(step) -> expected learning rate, when the schedule is known
+    window: int = 5  # records a trend is judged over
+    history: dict = field(default_factory=lambda: {"train": [], "eval": []})
+    state: dict = field(default_factory=dict)  # check -> current level
+    findings: list = field(default_factory=list)
+
+    def _set(self, check: str, level: str, step: int, evidence: str) -> Finding | None:
+        if self.state.get(check) == level:
+            return None
+        f = Finding(check, level, step, evidence, first=check not in self.state)
+        self.state[check] = level
+        self.findings.append(f)
+        return f
+
+    def reset(self, records: list[dict]) -> None:
+        """Forget everything and re-read ``records`` (after the run itself rewound)."""
+        self.history, self.state, self.findings = {"train": [], "eval": []}, {}, []
+        for rec in records:
+            self.update(rec)
+
+    def update(self, rec: dict) -> list[Finding]:
+        kind = rec.get("kind", "train")
+        self.history.setdefault(kind, []).append(rec)
+        out = []
+        checks = self._train_checks(rec) if kind == "train" else self._eval_checks(rec)
+        for check, level, evidence in checks:
+            f = self._set(check, level, rec["step"], evidence)
+            if f:
+                out.append(f)
+        return out
+
+    # ------------------------------------------------------------------ training records
+
+    def _train_checks(self, rec: dict):
+        hist = self.history["train"]
+        step = rec["step"]
+        values = [rec.get(k) for k in ("loss", "grad_norm")]
+        if any(v is None or not math.isfinite(v) for v in values):
+            yield (
+                "non_finite",
+                "ALERT",
+                f"loss {rec.get('loss')} and gradient norm {rec.get('grad_norm')} at step {step}",
+            )
+        else:
+            yield "non_finite", "OK", "finite"
+        finite = [
+            r for r in hist if math.isfinite(r.get("loss", math.nan)) and math.isfinite(r.get("grad_norm", math.nan))
+        ]
+        w = self.window
+        if len(finite) > 2 * w and math.isfinite(rec["loss"]):
+            past = np.array([r["loss"] for r in finite[-2 * w - 1 : -1]])
+            med = float(np.median(past))
+            spread = float(np.median(np.abs(past - med))) + 1e-3
+            jump = rec["loss"] - med
+            if jump > max(8 * spread, 0.25 * med):
+                yield "loss_decreasing", "ALERT", f"loss {rec['loss']:.3f} jumped from a recent median of {med:.3f}"
+            elif jump > 4 * spread and jump > 0.05 * med:
+                yield "loss_decreasing", "WATCH", f"loss {rec['loss']:.3f} above a recent median of {med:.3f}"
+            else:
+                yield "loss_decreasing", "OK", f"loss {rec['loss']:.3f}, recent median {med:.3f}"
+        if len(finite) > 2 * w:
+            g = np.array([r["grad_norm"] for r in finite[-2 * w :]])
+            ratio = float(np.median(g[w:]) / max(np.median(g[:w]), 1e-12))
+            rising = bool(np.all(np.diff(g[w:]) > 0))
+            if ratio > 2.0 and rising:
+                yield (
+                    "grad_norm_growth",
+                    "ALERT",
+                    f"gradient norm grew {ratio:.1f}x over {w} log steps and is still rising",
+                )
+            elif ratio > 1.5:
+                yield "grad_norm_growth", "WATCH", f"gradient norm grew {ratio:.1f}x over {w} log steps"
+            else:
+                yield "grad_norm_growth", "OK", f"gradient norm ratio {ratio:.2f} over {w} log steps"
+            d = np.array([r.get("dropped_frac", 0.0) for r in finite[-2 * w :]])
+            before, now = float(np.median(d[:w])), float(np.median(d[w:]))
+            if now > 0.05 and now > 2 * before + 0.01:
+                yield "drops_trend", "ALERT", f"dropped fraction climbed from {before:.3f} to {now:.3f}"
+            elif now > 0.02 and now > 1.5 * before + 0.005:
+                yield "drops_trend", "WATCH", f"dropped fraction rising: {before:.3f} to {now:.3f}"
+            else:
+                yield "drops_trend", "OK", f"dropped fraction {now:.3f}"
+            mfu = np.array([r.get("mfu", math.nan) for r in finite[-2 * w :]], float)
+            if np.all(np.isfinite(mfu)) and np.median(mfu[:w]) > 0:
+                drop = 1 - float(np.median(mfu[w:]) / np.median(mfu[:w]))
+                yield "mfu_constant", "WATCH" if drop > 0.3 else "OK", f"MFU changed by {-drop:+.0%} over {w} log steps"
+            emb = [r.get("param_norm_groups", {}).get("embedding") for r in finite[-2 * w :]]
+            if all(e is not None for e in emb) and emb[0] > 0:
+                growth = emb[-1] / emb[0]
+                yield (
+                    "embedding_norm",
+                    "WATCH" if growth > 1.5 else "OK",
+                    f"embedding norm x{growth:.2f} over {2 * w} log steps",
+                )
+            bias = [r.get("bias_std") for r in finite[-2 * w :]]
+            if all(b is not None for b in bias) and bias[0] > 1e-6:
+                change = bias[-1] / bias[0]
+                yield (
+                    "router_bias_steady",
+                    "WATCH" if change > 3 or change < 1 / 3 else "OK",
+                    f"bias spread x{change:.2f}",
+                )
+        ent = rec.get("router_entropy")
+        if ent is not None and math.isfinite(ent):
+            level = "ALERT" if ent < 0.3 else "WATCH" if ent < 0.6 else "OK"
+            yield "router_entropy", level, f"router entropy {ent:.3f} of its maximum"
+        if self.lr_at is not None and rec.get("lr") is not None:
+            want = float(self.lr_at(step - 1))
+            ok = abs(rec["lr"] - want) <= 1e-6 + 1e-3 * abs(want)
+            yield "lr_schedule", "OK" if ok else "ALERT", f"learning rate {rec['lr']:.3g}, schedule says {want:.3g}"
+
+    # ------------------------------------------------------------------ evaluation records
+
+    def _eval_checks(self, rec: dict):
+        hist = self.history["eval"]
+        macro = rec.get("loss", {}).get("macro")
+        if macro is None or not math.isfinite(macro):
+            yield "eval_decreasing", "ALERT", f"held-out loss {macro} at step {rec['step']}"
+            return
+        if len(hist) >= 3:
+            best = min(r["loss"]["macro"] for r in hist[:-1])
+            if macro > best * 1.10:
+                yield "eval_decreasing", "ALERT", f"held-out loss {macro:.3f}, 10% above its best {best:.3f}"
+            elif macro > best * 1.02:
+                yield "eval_decreasing", "WATCH", f"held-out loss {macro:.3f} above its best {best:.3f}"
+            else:
+                yield "eval_decreasing", "OK", f"held-out loss {macro:.3f}"
+
+
+def check_records(records: list[dict], lr_at=None) -> HealthMonitor:
+    """Run the monitor over a finished run's records (offline)."""
+    mon = HealthMonitor(lr_at=lr_at)
+    for rec in records:
+        mon.update(rec)
+    return mon
