@@ -321,6 +321,48 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_plan(args: argparse.Namespace) -> int:
+    from moelab import accounting
+    from moelab.ladder.plan import load_ladder, plan
+    from moelab.train.record import matmul_peak
+
+    ladder = load_ladder(args.ladder)
+    assumed_mfu = 0.2  # what the tiny demo reaches on 2 CPU cores
+    rate = args.flops_per_s or assumed_mfu * matmul_peak()
+    rows = plan(ladder, rate)
+    if args.json:
+        print(json.dumps({"ladder": ladder.name, "flops_per_s": rate, "rungs": rows}, indent=1))
+        return 0
+    h = accounting.human
+    print(
+        f"{ladder.name}: recipe {ladder.recipe}, head_dim {ladder.head_dim}; time at {rate:.3g} FLOP/s"
+        + ("" if args.flops_per_s else f" ({assumed_mfu:.0%} of this machine's measured matmul peak)")
+    )
+    print(
+        f"  {'rung':<7} {'layers':>6} {'heads':>5} {'kv l/g':>7} {'batch':>6} {'total':>8} {'active':>8} {'tokens':>9}"
+        f" {'tok/act':>7} {'steps':>7} {'FLOPs':>9} {'time':>9}"
+    )
+    for r in rows:
+        t = r["seconds"]
+        when = (
+            f"{t / 86400 / 365:.3g} y"
+            if t > 86400 * 365
+            else f"{t / 86400:.1f} d"
+            if t > 172800
+            else f"{t / 3600:.1f} h"
+            if t > 3600
+            else f"{t / 60:.1f} min"
+            if t > 60
+            else f"{t:.0f} s"
+        )
+        print(
+            f"  {r['rung']:<7} {r['n_layers']:>6} {r['n_heads']:>5} {r['kv_heads_local']:>3}/{r['kv_heads_global']:<3}"
+            f" {r['batch_size']:>6} {h(r['total_params']):>8} {h(r['active_params']):>8} {r['tokens']:>9.3g}"
+            f" {r['tokens_per_active_param']:>7.0f} {r['steps']:>7} {r['train_flops']:>9.3g} {when:>9}"
+        )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -434,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_fit_nd)
+
+    p = ladder.add_parser("plan", help="the rungs of a ladder: shapes, parameters, tokens, steps, FLOPs, time")
+    p.add_argument("ladder", help="a ladder YAML (see ladders/)")
+    p.add_argument("--flops-per-s", type=float, help="achieved FLOP/s for the time estimate (default: measured)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ladder_plan)
 
     p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
     p.add_argument("run_dir")

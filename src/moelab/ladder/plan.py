@@ -1,0 +1,137 @@
+"""Ladder plans: one recipe, several widths, everything else by rule.
+
+A ladder forecasts only when its rungs share one recipe: a fixed head dimension (heads =
+d / head_dim), depth and kv heads by rule, the same data and mixture, and the same tokens per
+active parameter (or one compute budget each). `moelab ladder plan LADDER.yaml` prints the rungs.
+
+    recipe: tiny                  # a preset or a config YAML, the shared recipe
+    overrides: [train.lr=auto]    # applied to every rung
+    widths: [64, 96, 128]
+    head_dim: 32
+    layers: [2, 3, 4]             # one per width, or a number: layers = round(d * number)
+    kv_local_divisor: 2           # kv heads of local layers = max(1, heads // this)
+    kv_global_divisor: 4          # kv heads of global layers = max(1, heads // this)
+    expert_ratio: 0.5             # expert, latent and shared widths = d * this
+    batch_size: 16                # sequences per step: one number, or one per width
+    tokens_per_active_param: 791  # or budget_flops: training FLOPs per rung
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from moelab import accounting
+from moelab.config import Config, ConfigError, load_config
+
+FIELDS = ("recipe", "overrides", "widths", "head_dim", "layers", "kv_local_divisor", "kv_global_divisor",
+          "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Ladder:
+    recipe: str
+    widths: tuple[int, ...]
+    head_dim: int
+    layers: tuple[int, ...] | float
+    kv_local_divisor: int = 4
+    kv_global_divisor: int = 8
+    expert_ratio: float = 0.5
+    batch_size: tuple[int, ...] | int = 16
+    tokens_per_active_param: float = 0.0
+    budget_flops: float = 0.0
+    overrides: tuple[str, ...] = ()
+    name: str = "ladder"
+
+
+def load_ladder(path: str | Path) -> Ladder:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such ladder file"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError([f"{path}: is not valid YAML; fix the syntax"]) from None
+    errors = [f"{path}: {k}: unknown key (known: {', '.join(FIELDS)})" for k in data if k not in FIELDS]
+    for key in ("recipe", "widths", "head_dim", "layers"):
+        if key not in data:
+            errors.append(f"{path}: {key}: missing")
+    if errors:
+        raise ConfigError(errors)
+    widths = tuple(int(w) for w in data["widths"])
+    layers = data["layers"]
+    layers = tuple(int(x) for x in layers) if isinstance(layers, list) else float(layers)
+    batch = data.get("batch_size", 16)
+    batch = tuple(int(x) for x in batch) if isinstance(batch, list) else int(batch)
+    ladder = Ladder(
+        recipe=str(data["recipe"]), widths=widths, head_dim=int(data["head_dim"]), layers=layers,
+        kv_local_divisor=int(data.get("kv_local_divisor", 4)), kv_global_divisor=int(data.get("kv_global_divisor", 8)),
+        expert_ratio=float(data.get("expert_ratio", 0.5)), batch_size=batch,
+        tokens_per_active_param=float(data.get("tokens_per_active_param", 0)),
+        budget_flops=float(data.get("budget_flops", 0)), overrides=tuple(data.get("overrides", []) or ()),
+        name=str(data.get("name", path.stem)),
+    )  # fmt: skip
+    for key, value in (("layers", ladder.layers), ("batch_size", ladder.batch_size)):
+        if isinstance(value, tuple) and len(value) != len(widths):
+            errors.append(f"{path}: {key}: {len(value)} values for {len(widths)} widths")
+    if bool(ladder.tokens_per_active_param) == bool(ladder.budget_flops):
+        errors.append(f"{path}: tokens_per_active_param: give it or budget_flops, exactly one")
+    for d in widths:
+        if d % ladder.head_dim:
+            errors.append(f"{path}: widths: {d} is not a multiple of head_dim {ladder.head_dim}")
+    if errors:
+        raise ConfigError(errors)
+    return ladder
+
+
+def _pick(value, i: int):
+    return value[i] if isinstance(value, tuple) else value
+
+
+def rung_config(ladder: Ladder, i: int, steps: int | None = None) -> Config:
+    """The recipe at width ``widths[i]``, with heads, depth, kv heads, widths and batch by rule."""
+    d = ladder.widths[i]
+    heads = d // ladder.head_dim
+    layers = _pick(ladder.layers, i) if isinstance(ladder.layers, tuple) else max(1, round(d * ladder.layers))
+    base = load_config(ladder.recipe, list(ladder.overrides))
+    width = int(d * ladder.expert_ratio)
+    rule = [
+        f"model.d_model={d}", f"model.n_heads={heads}", f"model.head_dim={ladder.head_dim}", f"model.n_layers={layers}",
+        f"model.n_kv_heads={max(1, heads // ladder.kv_global_divisor)}",
+        f"model.n_kv_heads_local={max(1, heads // ladder.kv_local_divisor)}",
+        f"model.expert_dim={width}", f"model.shared_dim={width}",
+        f"train.batch_size={_pick(ladder.batch_size, i)}",
+    ]  # fmt: skip
+    if base.model.latent_dim:
+        rule.append(f"model.latent_dim={width}")
+    cfg = load_config(base, rule)
+    if steps is None:
+        a = accounting.count(cfg)
+        tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        if ladder.tokens_per_active_param:
+            tokens = ladder.tokens_per_active_param * a.active_params
+        else:
+            tokens = ladder.budget_flops / (3 * a.forward_flops_per_token)
+        steps = max(1, math.ceil(tokens / tokens_per_step))
+    return load_config(cfg, [f"train.steps={steps}"])
+
+
+def plan(ladder: Ladder, flops_per_s: float | None = None) -> list[dict]:
+    rows = []
+    for i, d in enumerate(ladder.widths):
+        cfg = rung_config(ladder, i)
+        tokens = accounting.run_tokens(cfg)
+        out = accounting.count(cfg).train(tokens)
+        rows.append({
+            "rung": f"d{d}", "d_model": d, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
+            "kv_heads_local": cfg.model.kv_heads_local, "kv_heads_global": cfg.model.n_kv_heads,
+            "batch_size": cfg.train.batch_size, "total_params": out["total_params"], "active_params": out["active_params"],
+            "tokens": tokens, "steps": cfg.train.steps, "train_flops": out["train_flops"],
+            "train_flops_without_lm_head": out["train_flops_without_lm_head"],
+            "tokens_per_active_param": tokens / out["active_params"],
+            "seconds": out["train_flops"] / flops_per_s if flops_per_s else None,
+        })  # fmt: skip
+    return rows
