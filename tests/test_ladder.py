@@ -204,3 +204,87 @@ def test_bad_ladder_file_is_refused(tmp_path):
     assert any("batch: unknown key" in x for x in lines)
     res = run_cli("ladder", "plan", str(bad).replace("bad", "missing"))
     assert res.returncode == 2 and "no such ladder file" in res.stderr
+
+
+# ------------------------------------------------------------------ forecast and backtest on synthetic rungs
+
+from moelab.config import load_config, to_dict  # noqa: E402
+from moelab.ladder.forecast import FRACTIONS, backtest, forecast, rung_curve  # noqa: E402
+
+
+def law(c):
+    return 1.8 + 40.0 * c**-0.12
+
+
+def synthetic_rung(root, d, steps=100, bump=None):
+    from moelab import accounting
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"model.d_model={d}",
+            f"model.n_heads={d // 32}",
+            "model.n_kv_heads=1",
+            "model.n_kv_heads_local=1",
+            f"train.steps={steps}",
+        ],
+    )
+    run = root / f"d{d}"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"hash": "x", "config": to_dict(cfg)}))
+    total = accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops_without_lm_head"]
+    with open(run / "metrics.jsonl", "w") as fh:
+        for k in range(0, 21):
+            step = round(k * steps / 20)
+            loss = law(max(total * k / 20, 1.0))
+            if bump and k == bump[0]:
+                loss += bump[1]
+            fh.write(json.dumps({"kind": "eval", "step": step, "loss_dropless": {"macro": loss}}) + "\n")
+    return run, total
+
+
+def test_forecast_recovers_the_curve_of_a_known_law(tmp_path):
+    rungs = [rung_curve(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
+    target = 1e14
+    fc = forecast(rungs, target, 1000, n_boot=30)
+    assert fc["fractions"] == FRACTIONS
+    for f, pred, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"], strict=True):
+        assert pred == pytest.approx(law(target * f), rel=0.01)
+        assert lo <= law(target * f) + 1e-6 and hi >= law(target * f) - 1e-6 or hi - lo < 1e-3
+
+
+def test_the_forecast_at_a_fraction_uses_only_that_fractions_points(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    clean = [rung_curve(synthetic_rung(tmp_path / "a", d)[0]) for d in (64, 96, 128)]
+    bumped = [rung_curve(synthetic_rung(tmp_path / "b", d, bump=(10, 0.3))[0]) for d in (64, 96, 128)]  # at 50%
+    a, b = forecast(clean, 1e14, 1000, n_boot=5), forecast(bumped, 1e14, 1000, n_boot=5)
+    changed = [f for f, x, y in zip(a["fractions"], a["loss"], b["loss"], strict=True) if abs(x - y) > 1e-9]
+    assert changed == [0.5]
+
+
+def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
+    rungs = [rung_curve(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128, 160)]
+    res = backtest(rungs)
+    assert res["target"] and len(res["curve"]) == 20
+    assert max(abs(r["error"]) for r in res["curve"]) < 0.01  # the law is exact, so is the fit
+    assert len(res["ends"]) == 4 and max(abs(r["error"]) for r in res["ends"]) < 0.01
+
+
+def test_forecast_and_backtest_commands(tmp_path):
+    dirs = [str(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
+    out = tmp_path / "forecast.json"
+    res = run_cli(
+        "ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=2000", "--out", str(out)
+    )
+    assert res.returncode == 0, res.stderr
+    fc = json.loads(out.read_text())
+    assert (
+        len(fc["loss"]) == 20
+        and fc["steps"][-1] == 2000
+        and fc["loss"][-1] == pytest.approx(law(fc["target_flops"]), rel=0.01)
+    )
+    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--json")
+    assert res.returncode == 0 and len(json.loads(res.stdout)["curve"]) == 20
+    res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "no config.json" in res.stderr

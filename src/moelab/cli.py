@@ -363,6 +363,44 @@ def cmd_ladder_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_forecast(args: argparse.Namespace) -> int:
+    from moelab import accounting
+    from moelab.ladder.forecast import forecast, rung_curve
+
+    rungs = [rung_curve(d) for d in args.ladder]
+    cfg = load_config(args.target, args.overrides)
+    tokens = accounting.run_tokens(cfg)
+    target = accounting.count(cfg).train(tokens)["train_flops_without_lm_head"]
+    fc = forecast(rungs, target, cfg.train.steps, e=args.e)
+    if not fc["fractions"]:
+        raise UsageError("--ladder: fewer than two rungs have evaluations at the same fractions")
+    fc.update(target=cfg.name or args.target, target_flops=target, rungs=[r["dir"] for r in rungs], e=args.e)
+    tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+    tmp.write_text(json.dumps(fc, indent=1))
+    tmp.replace(args.out)
+    print(f"forecast for {fc['target']} ({target:.3g} FLOPs without the LM head) from {len(rungs)} rungs -> {args.out}")
+    for f, s, loss, lo, hi in zip(fc["fractions"], fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True):
+        print(f"  {f:>5.0%}  step {s:>8}  loss {loss:.4f}  [{lo:.4f}, {hi:.4f}]")
+    return 0
+
+
+def cmd_ladder_backtest(args: argparse.Namespace) -> int:
+    from moelab.ladder.forecast import backtest, rung_curve
+
+    res = backtest([rung_curve(d) for d in args.ladder], e=args.e)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"fit on the smaller rungs, predict {res['target']}:")
+    print(f"  {'fraction':>8} {'predicted':>10} {'actual':>8} {'error':>7}")
+    for r in res["curve"]:
+        print(f"  {r['fraction']:>8.0%} {r['predicted']:>10.4f} {r['actual']:>8.4f} {r['error']:>+7.2%}")
+    print("each rung's end from its own 60-80% window:")
+    for r in res["ends"]:
+        print(f"  {r['rung']:<24} predicted {r['predicted_end']:.4f}  actual {r['actual_end']:.4f}  {r['error']:+.2%}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -483,6 +521,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_plan)
 
+    p = ladder.add_parser("forecast", help="the target's loss at every 5% of its run, from the ladder's rungs")
+    p.add_argument("--ladder", nargs="+", required=True, metavar="DIR", help="the rungs' run directories")
+    p.add_argument("--target", required=True, help="the target's preset or config YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--e", type=float, help="fix the irreducible loss E (Marin: 1.5); default: fit it")
+    p.add_argument("--out", required=True, help="forecast.json")
+    p.set_defaults(func=cmd_ladder_forecast)
+
+    p = ladder.add_parser("backtest", help="predict the largest rung from the others; each rung's end from 60-80%")
+    p.add_argument("--ladder", nargs="+", required=True, metavar="DIR")
+    p.add_argument("--e", type=float, help="fix E; default: fit it")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ladder_backtest)
+
     p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
     p.add_argument("run_dir")
     p.add_argument("--forecast", help="(not built yet) a forecast.json to hold the eval loss against")
@@ -513,9 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         from moelab.data.sources import DataError
         from moelab.lab.commands import ExperimentError
+        from moelab.ladder.forecast import ForecastError
         from moelab.train.loop import RunError, RunRefused
 
-        if isinstance(exc, (DataError, RunRefused, ExperimentError)):
+        if isinstance(exc, (DataError, RunRefused, ExperimentError, ForecastError)):
             print(f"moelab: {exc}", file=sys.stderr)
             return 2
         if isinstance(exc, RunError):

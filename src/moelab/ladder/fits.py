@@ -140,7 +140,7 @@ def fit_power(c, loss, e: float | None = None, n_boot: int = 200, seed: int = 0)
             a, alpha = _fit_line(cc, ll, e)
             return e, a, alpha
         best = None
-        for e0 in np.linspace(0.0, 0.99 * ll.min(), 25):
+        for e0 in np.linspace(0.0, 0.99 * ll.min(), 12):
             a, alpha = _fit_line(cc, ll, e0)
             err = np.sum((np.log(e0 + a * cc**-alpha) - np.log(ll)) ** 2)
             if best is None or err < best[0]:
@@ -153,11 +153,13 @@ def fit_power(c, loss, e: float | None = None, n_boot: int = 200, seed: int = 0)
             obj,
             np.array([best[1], np.log(best[2]), best[3]]),
             method="Nelder-Mead",
-            options={"xatol": 1e-10, "fatol": 1e-14, "maxiter": 20000},
+            options={"xatol": 1e-8, "fatol": 1e-12, "maxiter": 4000},
         )
         return float(res.x[0]), float(np.exp(res.x[1])), float(res.x[2])
 
     E, A, alpha = one(c, loss)
+    if n_boot == 0:
+        return PowerFit(E, A, alpha, {})
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(n_boot):
