@@ -288,3 +288,13 @@ def test_forecast_and_backtest_commands(tmp_path):
     assert res.returncode == 0 and len(json.loads(res.stdout)["curve"]) == 20
     res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "no config.json" in res.stderr
+
+
+def test_eval_loss_outside_the_forecast_band_alerts():
+    fc = {"steps": [100, 200, 300], "loss": [5.0, 4.5, 4.2], "low": [4.9, 4.4, 4.1], "high": [5.1, 4.6, 4.3]}
+    recs = [
+        {"kind": "eval", "step": s, "loss": {"macro": v}, "loss_dropless": {"macro": v}}
+        for s, v in ((100, 5.02), (200, 4.55), (300, 4.9))
+    ]
+    mon = check_records(recs, forecast=fc)
+    assert alerts(mon) == [("forecast_band", 300)]

@@ -300,12 +300,16 @@ def cmd_health(args: argparse.Namespace) -> int:
     from moelab.train.loop import load_run_config
     from moelab.train.record import RunDir, read_jsonl
 
-    if args.forecast or args.ladder:
-        raise UsageError("--forecast/--ladder: comparing with a ladder is not built yet; run without them")
+    if args.ladder:
+        raise UsageError("--ladder: comparing with the rungs' trajectories is not built yet; use --forecast")
     run = RunDir(args.run_dir)
     cfg = load_run_config(run.path)
     h = optim.hyper(cfg)
-    mon = check_records(read_jsonl(run.metrics), lr_at=lambda s: h.peak_lr * float(optim.lr_factor(s, h)))
+    forecast_path = Path(args.forecast) if args.forecast else run.path / "forecast.json"
+    if args.forecast and not forecast_path.is_file():
+        raise UsageError(f"{forecast_path}: no such forecast file")
+    forecast = json.loads(forecast_path.read_text()) if forecast_path.is_file() else None
+    mon = check_records(read_jsonl(run.metrics), lambda s: h.peak_lr * float(optim.lr_factor(s, h)), forecast)
     rows = []
     for check, level in sorted(mon.state.items()):
         last = [f for f in mon.findings if f.check == check][-1]
@@ -537,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
     p.add_argument("run_dir")
-    p.add_argument("--forecast", help="(not built yet) a forecast.json to hold the eval loss against")
+    p.add_argument("--forecast", help="a forecast.json to hold the eval loss against (default: RUN_DIR/forecast.json)")
     p.add_argument("--ladder", action="append", help="(not built yet) ladder run directories to compare with")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_health)

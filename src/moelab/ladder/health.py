@@ -30,6 +30,7 @@ class HealthMonitor:
     """Feed it metrics records in order; ``update`` returns the findings that changed level."""
 
     lr_at: object = None  # callable(step) -> expected learning rate, when the schedule is known
+    forecast: dict | None = None  # a forecast.json: eval loss is held against its band
     window: int = 5  # records a trend is judged over
     history: dict = field(default_factory=lambda: {"train": [], "eval": []})
     state: dict = field(default_factory=dict)  # check -> current level
@@ -148,6 +149,23 @@ class HealthMonitor:
         if macro is None or not math.isfinite(macro):
             yield "eval_decreasing", "ALERT", f"held-out loss {macro} at step {rec['step']}"
             return
+        if self.forecast and rec["step"] > 0 and "loss_dropless" in rec:
+            fc = self.forecast
+            i = int(np.argmin(np.abs(np.asarray(fc["steps"]) - rec["step"])))
+            if abs(fc["steps"][i] - rec["step"]) <= max(1, 0.01 * fc["steps"][-1]):
+                actual, lo, hi = rec["loss_dropless"]["macro"], fc["low"][i], fc["high"][i]
+                width = max(hi - lo, 1e-3 * fc["loss"][i])
+                if actual > hi + width or actual < lo - width:
+                    level = "ALERT"
+                elif actual > hi or actual < lo:
+                    level = "WATCH"
+                else:
+                    level = "OK"
+                yield (
+                    "forecast_band",
+                    level,
+                    f"held-out loss {actual:.4f}, forecast {fc['loss'][i]:.4f} [{lo:.4f}, {hi:.4f}]",
+                )
         if len(hist) >= 3:
             best = min(r["loss"]["macro"] for r in hist[:-1])
             if macro > best * 1.10:
@@ -158,9 +176,9 @@ class HealthMonitor:
                 yield "eval_decreasing", "OK", f"held-out loss {macro:.3f}"
 
 
-def check_records(records: list[dict], lr_at=None) -> HealthMonitor:
+def check_records(records: list[dict], lr_at=None, forecast: dict | None = None) -> HealthMonitor:
     """Run the monitor over a finished run's records (offline)."""
-    mon = HealthMonitor(lr_at=lr_at)
+    mon = HealthMonitor(lr_at=lr_at, forecast=forecast)
     for rec in records:
         mon.update(rec)
     return mon

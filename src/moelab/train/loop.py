@@ -158,7 +158,9 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
     evals = eval_points(cfg, steps)
     poison = set(cfg.train.poison_steps)
     # health checks see every record; a resumed run's monitor first re-reads what survived
-    monitor = HealthMonitor(lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)))
+    forecast_path = run.path / "forecast.json"  # `moelab ladder forecast --out RUN_DIR/forecast.json`
+    forecast = json.loads(forecast_path.read_text()) if forecast_path.exists() else None
+    monitor = HealthMonitor(lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)), forecast=forecast)
     monitor.reset(read_jsonl(run.metrics))
 
     def record(rec: dict) -> None:
