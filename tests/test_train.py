@@ -367,3 +367,30 @@ def test_health_runs_in_the_loop_and_offline(corpus, tmp_path, capsys):
     rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["non_finite"]["first_alert"] == 16 and rows["non_finite"]["level"] == "OK"  # recovered
     assert rows["lr_schedule"]["level"] == "OK"
+
+
+def test_an_injected_fault_is_caught_by_the_health_checks(corpus, tmp_path):
+    cfg = _micro(corpus, "train.steps=40", "train.eval_every=40", "train.inject=[lr_spike@25:60]")
+    train(cfg, tmp_path / "run", progress=False)
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [(e["fault"], e["step"]) for e in events if e["event"] == "inject"] == [("lr_spike", 25)]
+    alerts = [e for e in events if e["event"] == "health" and e["level"] == "ALERT"]
+    assert alerts and all(e["step"] > 25 for e in alerts)
+    assert alerts[0]["step"] <= 25 + 2 + 5  # caught within a few log steps (5% of 40 steps is 2)
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"}
+    assert 50 * lrs[25] < lrs[26] < 70 * lrs[25]  # metrics step 26 is data step 25, the first spiked one
+
+
+def test_fault_arguments():
+    from moelab.ladder.faults import Injector, parse
+
+    assert parse("lr_spike@10").arg == 10.0 and parse("zloss_off@3:2").arg == 2.0
+    inj = Injector(["zloss_off@5", "router_collapse@8:3", "data_corruption@2:prose"], ["code", "prose"])
+    args = inj.step_args(9)
+    assert float(args["lr_scale"]) == 3.0 and float(args["logit_z_scale"]) == 0.0 and bool(args["freeze_bias"])
+    assert float(inj.step_args(4)["lr_scale"]) == 1.0
+    batch = np.zeros((4, 8), np.int32)
+    out = inj.corrupt(3, batch, np.array([0, 1, 0, 1]), ["code", "prose"], 512, 0)
+    assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
+    with pytest.raises(ValueError, match="not a domain"):
+        Injector(["data_corruption@2:poetry"], ["code"])

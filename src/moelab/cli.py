@@ -97,6 +97,8 @@ def _train_config(args: argparse.Namespace):
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
+    if args.inject:
+        overrides.append("train.inject=[" + ", ".join(args.inject) + "]")
     cfg = load_config(args.config, overrides)
     if args.data:
         cfg = replace(cfg, data={"sources": tuple(args.data)})
@@ -115,6 +117,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--set", o]
     for t in args.tracker or []:
         out += ["--tracker", t]
+    for spec in args.inject or []:
+        out += ["--inject", spec]
     if args.resume:
         out.append("--resume")
     if args.quiet:
@@ -454,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="restart a training process that dies, from its newest checkpoint, up to N times",
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        metavar="KIND@STEP[:ARG]",
+        help="inject a fault: lr_spike, data_corruption, router_collapse or zloss_off (repeatable)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train)

@@ -138,6 +138,7 @@ class TrainConfig:
     nan_patience: int = 3  # non-finite steps in a row before restoring the last checkpoint
     peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
     poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
+    inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.ladder.faults
 
 
 @dataclass(frozen=True)
@@ -488,6 +489,13 @@ def _check_train(t: TrainConfig) -> list[str]:
     for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
         if getattr(t, n) < 0:
             e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
+    for spec in t.inject:
+        from moelab.ladder.faults import parse
+
+        try:
+            parse(spec)
+        except ValueError as exc:
+            e.append(f"train.inject: {exc}")
     if not 0.0 <= t.decay_frac <= 1.0:
         e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
     if t.muon_lr_ratio <= 0:

@@ -134,6 +134,7 @@ def loss_fn(
     *,
     mask: jax.Array | None = None,
     train: bool = True,
+    logit_z_scale=1.0,
 ):
     """Cross-entropy + logit z-loss + router aux and z terms. Returns (loss, (metrics, new_state)).
 
@@ -150,6 +151,6 @@ def loss_fn(
     logit_z = jnp.sum(lse**2 * weight) / denom
     aux = jnp.mean(layers["aux_loss"])
     router_z = jnp.mean(layers["router_z"])
-    loss = ce + m.logit_z_loss * logit_z + m.aux_loss_coef * aux + m.router_z_loss_coef * router_z
+    loss = ce + logit_z_scale * m.logit_z_loss * logit_z + m.aux_loss_coef * aux + m.router_z_loss_coef * router_z
     metrics = {"loss": loss, "ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
     return loss, (metrics, new_state)

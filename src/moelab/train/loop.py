@@ -21,6 +21,7 @@ from moelab import accounting
 from moelab.config import Config, config_from_dict, config_hash, to_dict
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
+from moelab.ladder.faults import Injector
 from moelab.ladder.health import HealthMonitor
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
@@ -157,6 +158,10 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
     flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
     evals = eval_points(cfg, steps)
     poison = set(cfg.train.poison_steps)
+    try:
+        injector = Injector(cfg.train.inject, store.domains)
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from None
     # health checks see every record; a resumed run's monitor first re-reads what survived
     forecast_path = run.path / "forecast.json"  # `moelab ladder forecast --out RUN_DIR/forecast.json`
     forecast = json.loads(forecast_path.read_text()) if forecast_path.exists() else None
@@ -236,9 +241,13 @@ def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool 
                 bar.update(1)
                 after_step(s, None, timing)
                 continue
-            batch, _ = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
+            batch, rows_domain = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
+            for f in injector.starting(s):
+                run.event("inject", step=s, fault=f.kind, arg=f.arg)
+            batch = injector.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
+            state = injector.edit_state(s, state)
             t0 = time.perf_counter()
-            state, metrics = step_fn(state, batch, np.int32(s), np.bool_(s in poison))
+            state, metrics = step_fn(state, batch, np.int32(s), np.bool_(s in poison), injector.step_args(s))
             finite = bool(metrics["finite"])
             if warm:  # the first step in a process compiles; it is not timed
                 timing[0] += time.perf_counter() - t0

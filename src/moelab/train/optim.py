@@ -144,9 +144,10 @@ def make_optimizer(cfg: Config, h: Hyper) -> optax.GradientTransformation:
     return optax.chain(clip, opt)  # state: (clip state, injected-hyperparameter state)
 
 
-def set_lr(opt_state, step, h: Hyper):
-    """The optimiser state with its rates set for data step ``step``; returns (state, adam rate)."""
-    factor = lr_factor(step, h)
+def set_lr(opt_state, step, h: Hyper, scale=1.0):
+    """The optimiser state with its rates set for data step ``step`` (times ``scale``, which fault
+    injection raises); returns (state, adam rate)."""
+    factor = lr_factor(step, h) * scale
     clip_state, inner = opt_state
     hp = dict(inner.hyperparams)
     if "adam_learning_rate" in hp:  # Muon: its own rate for matrices, Adam's for the rest
