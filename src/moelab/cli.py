@@ -18,8 +18,11 @@ class UsageError(Exception):
     """Bad input the user can fix; printed as one line, exit code 2."""
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a preset name (see `moelab presets`) or a YAML file")
+def _add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
+    if optional:
+        p.add_argument("config", nargs="?", help=f"a preset name (see `moelab presets`) or a YAML file{optional}")
+    else:
+        p.add_argument("config", help="a preset name (see `moelab presets`) or a YAML file")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -92,6 +95,19 @@ def cmd_presets(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace):
     from moelab.config import replace
 
+    if args.config is None:  # `moelab train --resume --out DIR`: the run's own (perhaps re-planned) config
+        from moelab.train.loop import load_run_config
+
+        if not args.resume:
+            raise UsageError("config: give a preset or a YAML file (only --resume may leave it out)")
+        given = [n for n in ("steps", "seed", "data", "inject") if getattr(args, n)] + (
+            ["set"] if args.overrides else []
+        )
+        if given:
+            raise UsageError(
+                f"--{given[0]}: resuming without a config takes the run's own; give the config to change it"
+            )
+        return load_run_config(args.out)
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -106,7 +122,7 @@ def _train_config(args: argparse.Namespace):
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:
-    out = [args.config, "--out", args.out]
+    out = ([args.config] if args.config else []) + ["--out", args.out]
     if args.steps is not None:
         out += ["--steps", str(args.steps)]
     if args.seed is not None:
@@ -409,6 +425,38 @@ def cmd_ladder_backtest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replan(args: argparse.Namespace) -> int:
+    from moelab.ladder.replan import replan
+
+    if args.tokens <= 0:
+        raise UsageError(f"--tokens: must be > 0, got {args.tokens:g}")
+    ch = replan(args.run_dir, args.tokens, args.reason, ladder=args.ladder)
+    if ch["warning"]:
+        print(f"moelab: warning: {ch['warning']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(ch, indent=1))
+        return 0
+    lr = ch["lr_at_change"]
+    print(
+        f"{args.run_dir}: re-planned at step {ch['at_step']}: {ch['old_steps']} -> {ch['new_steps']} steps "
+        f"({ch['old_tokens']:.4g} -> {ch['new_tokens']:.4g} tokens); reason: {ch['reason']}"
+    )
+    print(
+        f"  learning rate at step {ch['at_step']}: {lr['before']:.4g} before, {lr['after']:.4g} after; "
+        f"{ch['lr_at_new_end']:.4g} at the new last step {ch['new_steps'] - 1}"
+    )
+    ph = ch["phase_starts"]
+    if ph["before"] != ph["after"]:
+        print(f"  mixture phases start at steps {ph['before']} -> {ph['after']}")
+    fc = ch["forecast"]
+    print(
+        f"  forecast: {fc['status']}"
+        + (f" ({fc['points']} points, {fc['path']})" if "path" in fc else f": {fc['note']}")
+    )
+    print(f"  resume with: moelab train --resume --out {args.run_dir}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -435,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("train", help="train a model; writes config, metrics, events and checkpoints to --out")
-    _add_config_args(p)
+    _add_config_args(p, optional="; with --resume it may be left out: the run's own config (as re-planned)")
     p.add_argument("--out", required=True, help="the run directory")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--seed", type=int, help="override train.seed")
@@ -556,6 +604,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_health)
 
+    p = sub.add_parser("replan", help="change a run's horizon: re-time the decay, move phases, re-forecast")
+    p.add_argument("run_dir")
+    p.add_argument("--tokens", type=float, required=True, help="the run's new total of training tokens")
+    p.add_argument("--reason", required=True, help="why: it goes into the run's events")
+    p.add_argument("--ladder", nargs="+", metavar="DIR", help="rung runs to re-forecast from (default: the forecast's)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_replan)
+
     p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
     p.add_argument("--experiment", help="an experiment file (default: experiments/exp4_tiny_stdlib.py)")
     p.add_argument("--prefix", default="runs/lab", help="where the experiment's steps and journal go")
@@ -580,9 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from moelab.data.sources import DataError
         from moelab.lab.commands import ExperimentError
         from moelab.ladder.forecast import ForecastError
+        from moelab.ladder.replan import ReplanError
         from moelab.train.loop import RunError, RunRefused
 
-        if isinstance(exc, (DataError, RunRefused, ExperimentError, ForecastError)):
+        if isinstance(exc, (DataError, RunRefused, ExperimentError, ForecastError, ReplanError)):
             print(f"moelab: {exc}", file=sys.stderr)
             return 2
         if isinstance(exc, RunError):

@@ -139,6 +139,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
     poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
     inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.ladder.faults
+    replans: tuple[str, ...] = ()  # horizon changes, AT:OLD->NEW steps, written by `moelab replan`
 
 
 @dataclass(frozen=True)
@@ -496,6 +497,13 @@ def _check_train(t: TrainConfig) -> list[str]:
             parse(spec)
         except ValueError as exc:
             e.append(f"train.inject: {exc}")
+    if t.replans:
+        from moelab.ladder.replan import parse_replans
+
+        try:
+            parse_replans(t.replans, t.steps)
+        except ValueError as exc:
+            e.append(f"train.replans: {exc}")
     if not 0.0 <= t.decay_frac <= 1.0:
         e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
     if t.muon_lr_ratio <= 0:

@@ -54,7 +54,12 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> M
                 )
             table[p, domains.index(name)] = w
     table /= table.sum(axis=1, keepdims=True)
-    phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)
+    if steps == cfg.train.steps:  # moved by any re-plan of the horizon
+        from moelab.ladder.replan import phase_boundaries
+
+        phase_steps = phase_boundaries(d.phase_starts, cfg.train)
+    else:
+        phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)
     bounds = list(phase_steps) + [steps]
     rows = np.array([bounds[i + 1] - bounds[i] for i in range(phases)]) * cfg.train.batch_size
     drawn = (rows[:, None] * table).sum(axis=0) * row

@@ -85,20 +85,26 @@ def load_run_config(run_dir: str | Path) -> Config:
     return config_from_dict(json.loads(run.config.read_text())["config"], source=str(run.config))
 
 
-def _check_resume(run: RunDir, cfg: Config, resume: bool) -> None:
+def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
+    """The config to run: ``cfg``, or the run's own when resuming (with ``cfg`` None, or when the
+    run was re-planned and ``cfg`` differs from it only in its horizon)."""
     if not run.config.exists():
-        return
+        if cfg is None:
+            raise RunRefused(f"{run.path}: no config.json to resume from; give a config")
+        return cfg
     if not resume:
         raise RunRefused(f"{run.path}: already holds a run; pass --resume to continue it, or choose another --out")
     saved = json.loads(run.config.read_text())
-    if saved["hash"] != config_hash(cfg):
-        old, new = saved["config"], to_dict(cfg)
-        diff = [
-            f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]
-        ]
-        raise RunRefused(
-            f"{run.path}: the config differs from the run's ({', '.join(diff) or 'name'}); resume with the same config"
-        )
+    ours = config_from_dict(saved["config"], source=str(run.config))
+    if cfg is None or saved["hash"] == config_hash(cfg):
+        return ours
+    old, new = saved["config"], to_dict(cfg)
+    diff = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]]
+    if ours.train.replans and set(diff) <= {"train.steps", "train.replans"}:
+        return ours  # `moelab replan` changed the horizon: the run follows its new plan
+    raise RunRefused(
+        f"{run.path}: the config differs from the run's ({', '.join(diff) or 'name'}); resume with the same config"
+    )
 
 
 def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
@@ -108,12 +114,14 @@ def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
     return rec
 
 
-def train(cfg: Config, out: str | Path, *, resume: bool = False, progress: bool = True, trackers=()) -> dict:
-    """Train ``cfg`` into ``out``; returns the summary (also written to summary.json)."""
+def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress: bool = True, trackers=()) -> dict:
+    """Train ``cfg`` into ``out``; returns the summary (also written to summary.json).
+
+    With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned)."""
     from tqdm import tqdm
 
     run = RunDir(out)
-    _check_resume(run, cfg, resume)
+    cfg = _check_resume(run, cfg, resume)
     enable_compile_cache()
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     mixture = build_mixture(cfg, store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -39,7 +40,13 @@ class Hyper:
     steps: int
     min_lr_ratio: float
     schedule: str
-    decay_start: int  # WSD: first step of the decay
+    decay_frac: float  # WSD: the last fraction of the run decays
+    replans: tuple[tuple[int, int], ...] = ()  # (at step, new total steps), in order: see moelab.ladder.replan
+
+    @property
+    def total_steps(self) -> int:
+        """The run's horizon now: the last re-plan's total, or the planned steps."""
+        return self.replans[-1][1] if self.replans else self.steps
 
 
 def marin_lr(total_tokens: float, d_model: int, tokens_per_batch: float) -> dict:
@@ -50,9 +57,14 @@ def marin_lr(total_tokens: float, d_model: int, tokens_per_batch: float) -> dict
     return {"adam_lr": adam, "muon_lr": 13 / 3 * adam, "beta2": beta2, "eps": eps}
 
 
-def hyper(cfg: Config, steps: int | None = None) -> Hyper:
+def hyper(cfg: Config) -> Hyper:
+    """The optimiser's numbers. ``lr: auto`` and the schedule's shape come from the run's first
+    plan (before any re-plan): a re-planned run keeps its peak rate and changes only its decay."""
+    from moelab.ladder.replan import parse_replans
+
     t = cfg.train
-    steps = steps or t.steps
+    changes = parse_replans(t.replans, t.steps)
+    steps = changes[0][1] if changes else t.steps
     tokens_per_batch = t.batch_size * cfg.model.seq_len
     if t.lr == "auto":
         auto = marin_lr(steps * tokens_per_batch, cfg.model.d_model, tokens_per_batch)
@@ -60,27 +72,60 @@ def hyper(cfg: Config, steps: int | None = None) -> Hyper:
     else:
         peak, muon, beta2, eps = float(t.lr), float(t.lr) * t.muon_lr_ratio, t.beta2, 1e-8
     warmup = int(round(t.warmup_frac * steps))
-    decay_start = int(round(steps * (1.0 - t.decay_frac)))
-    return Hyper(peak, muon, t.beta1, beta2, eps, warmup, steps, t.min_lr_ratio, t.schedule, decay_start)
+    replans = tuple((at, new) for at, _, new in changes)
+    return Hyper(peak, muon, t.beta1, beta2, eps, warmup, steps, t.min_lr_ratio, t.schedule, t.decay_frac, replans)
 
 
-def lr_factor(step, h: Hyper):
-    """Multiplier of the peak learning rate at ``step``; works on ints and traced arrays."""
-    step = jnp.asarray(step, jnp.float32)
+def _planned_factor(step, h: Hyper, steps: int):
+    """The schedule's shape over a horizon of ``steps``."""
     w = max(h.warmup_steps, 0)
     warm = (step + 1.0) / max(w, 1)
-    last = h.steps - 1
+    last = steps - 1
     if h.schedule == "linear":
         start = w - 1 if w > 0 else 0
         frac = jnp.clip((step - start) / max(last - start, 1), 0.0, 1.0)
         after = 1.0 - frac * (1.0 - h.min_lr_ratio)
     elif h.schedule == "wsd":
-        start = max(h.decay_start - 1, w - 1, 0)
+        decay_start = int(round(steps * (1.0 - h.decay_frac)))
+        start = max(decay_start - 1, w - 1, 0)
         frac = jnp.clip((step - start) / max(last - start, 1), 0.0, 1.0)
         after = 1.0 - frac * (1.0 - h.min_lr_ratio)
     else:  # constant
         after = jnp.ones_like(step)
     return jnp.where(step < w, warm, after)
+
+
+def lr_factor(step, h: Hyper):
+    """Multiplier of the peak learning rate at ``step``; works on ints and traced arrays.
+
+    A re-plan at step ``at`` to ``total`` steps keeps every rate before ``at``. From ``at`` on, a
+    run still warming up or at its peak follows the same schedule over the new horizon; a run
+    already decaying decays linearly from its rate at ``at`` to ``min_lr_ratio`` at the new last
+    step, so the rate has no jump.
+    """
+    step = jnp.asarray(step, jnp.float32)
+
+    def fn(s):
+        return _planned_factor(s, h, h.steps)
+
+    for at, total in h.replans:
+        with jax.ensure_compile_time_eval():  # plain numbers, also while the train step is traced
+            anchor = float(fn(jnp.float32(at)))
+            shaped = float(_planned_factor(jnp.float32(at), h, total))
+        if abs(anchor - shaped) < 1e-6:
+
+            def new(s, total=total):
+                return _planned_factor(s, h, total)
+        else:
+
+            def new(s, at=at, total=total, anchor=anchor):
+                frac = jnp.clip((s - at) / max(total - 1 - at, 1), 0.0, 1.0)
+                return anchor + frac * (h.min_lr_ratio - anchor)
+
+        def fn(s, prev=fn, new=new, at=at):
+            return jnp.where(s < at, prev(s), new(s))
+
+    return fn(step)
 
 
 def _labels(params: dict, fn) -> dict:

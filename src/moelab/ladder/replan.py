@@ -1,0 +1,157 @@
+"""Re-planning a run's horizon: `moelab replan RUN_DIR --tokens NEW_TOTAL --reason TEXT`.
+
+When a run is delayed (or given more compute), Marin re-plans instead of extending: from the
+current step the learning-rate decay is re-timed to reach ``min_lr_ratio * peak`` at the new end
+with no jump, the data mixture's phase boundaries that are still ahead move with the horizon, the
+forecast is recomputed for the new horizon, and the change is an event with its reason.
+
+The change lives in the run's config as ``train.replans``: ``AT:OLD->NEW`` means that from step AT
+on the run's horizon is NEW steps instead of OLD; ``train.steps`` is the newest horizon. The
+schedule (moelab.train.optim.lr_factor) and the mixture (moelab.data.mixture) read it from there,
+so a resumed run follows the new plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from moelab import accounting
+from moelab.config import config_from_dict, config_hash, load_config, to_dict
+
+SPEC = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*->\s*(\d+)\s*$")
+COVERED = 0.25  # a ladder's forecast is trusted for horizons within 25% of the planned one
+
+
+class ReplanError(ValueError):
+    """A re-plan that cannot be made; one line naming the field or file (exit code 2)."""
+
+
+def parse_replans(specs, steps: int) -> list[tuple[int, int, int]]:
+    """``AT:OLD->NEW`` strings as (at, old, new), checked to chain into ``train.steps``."""
+    out = []
+    for spec in specs:
+        m = SPEC.match(str(spec))
+        if not m:
+            raise ValueError(f"{spec!r} is not AT:OLD->NEW (for example 150:300->450)")
+        at, old, new = (int(x) for x in m.groups())
+        if out and old != out[-1][2]:
+            raise ValueError(f"{spec!r}: starts from {old} steps but the previous re-plan ended at {out[-1][2]}")
+        if out and at < out[-1][0]:
+            raise ValueError(f"{spec!r}: step {at} comes before the previous re-plan's step {out[-1][0]}")
+        if not 0 <= at < new or at > old:
+            raise ValueError(f"{spec!r}: the step must lie within both horizons, before the new end")
+        out.append((at, old, new))
+    if out and out[-1][2] != steps:
+        raise ValueError(f"the last re-plan ends at {out[-1][2]} steps but train.steps is {steps}")
+    return out
+
+
+def phase_boundaries(phase_starts, cfg_train) -> tuple[int, ...]:
+    """First step of each mixture phase. A boundary already passed when the horizon changed stays
+    where it was; one still ahead moves to its fraction of the new horizon (never into the past)."""
+    changes = parse_replans(cfg_train.replans, cfg_train.steps)
+    steps = changes[0][1] if changes else cfg_train.steps
+    bounds = [int(round(f * steps)) for f in phase_starts]
+    for at, _, new in changes:
+        bounds = [b if b < at else max(at, int(round(f * new))) for b, f in zip(bounds, phase_starts, strict=True)]
+    return tuple(bounds)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | None = None) -> dict:
+    """Change the run's horizon to ``tokens`` training tokens from its newest checkpoint on.
+
+    Returns what changed: steps, learning rates at the change and at the new end, phase
+    boundaries, the forecast, and a warning when the new horizon is more than 25% from the plan.
+    """
+    from moelab.train import checkpoint, optim
+    from moelab.train.record import RunDir
+
+    run = RunDir(run_dir)
+    if not run.config.is_file():
+        raise ReplanError(f"{run.path}: no config.json; is this a training run directory?")
+    if not reason.strip():
+        raise ReplanError("--reason: say why the horizon changes; it goes into the run's record")
+    saved = json.loads(run.config.read_text())
+    cfg = config_from_dict(saved["config"], source=str(run.config))
+    per_step = cfg.train.batch_size * cfg.model.seq_len
+    new_steps = int(round(tokens / per_step))
+    done = checkpoint.steps(run.ckpt)
+    at = done[-1] if done else 0
+    if new_steps <= at:
+        raise ReplanError(
+            f"--tokens: {tokens:.6g} tokens is {new_steps} steps of {per_step} tokens, not beyond the newest "
+            f"checkpoint at step {at}; give more than {at * per_step} tokens"
+        )
+    old_steps = cfg.train.steps
+    if new_steps == old_steps:
+        raise ReplanError(f"--tokens: {tokens:.6g} tokens is the run's current horizon of {old_steps} steps")
+    spec = f"{at}:{old_steps}->{new_steps}"
+    new_cfg = load_config(cfg, [f"train.steps={new_steps}", f"train.replans=[{', '.join((*cfg.train.replans, spec))}]"])
+    h_old, h_new = optim.hyper(cfg), optim.hyper(new_cfg)
+    lr_old = lambda s: h_old.peak_lr * float(optim.lr_factor(s, h_old))  # noqa: E731
+    lr_new = lambda s: h_new.peak_lr * float(optim.lr_factor(s, h_new))  # noqa: E731
+    first_plan = h_new.steps
+    off = new_steps / first_plan - 1
+    warning = None
+    if abs(off) > COVERED:
+        warning = (
+            f"the new horizon of {new_steps} steps is {off:+.0%} from the planned {first_plan}: past "
+            f"{COVERED:.0%}, the ladder no longer covers the plan; re-run the ladder at this horizon to trust "
+            "the forecast"
+        )
+    change = {
+        "at_step": at,
+        "old_steps": old_steps,
+        "new_steps": new_steps,
+        "old_tokens": old_steps * per_step,
+        "new_tokens": new_steps * per_step,
+        "reason": reason,
+        "spec": spec,
+        "lr_at_change": {"before": lr_old(at), "after": lr_new(at)},
+        "lr_at_new_end": lr_new(new_steps - 1),
+        "phase_starts": {
+            "before": list(phase_boundaries(cfg.data.phase_starts, cfg.train)),
+            "after": list(phase_boundaries(new_cfg.data.phase_starts, new_cfg.train)),
+        },
+        "warning": warning,
+        "forecast": _reforecast(run.path, new_cfg, ladder, len(new_cfg.train.replans)),
+        "time": time.time(),
+    }
+    # the config last: a failure above leaves the run as it was
+    _write_atomic(run.config, json.dumps({"hash": config_hash(new_cfg), "config": to_dict(new_cfg)}, indent=1))
+    run.event("replan", **change)
+    return change
+
+
+def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int) -> dict:
+    """The forecast for the new horizon, from the rungs the old forecast used (or ``ladder``)."""
+    from moelab.ladder.forecast import ForecastError, forecast, rung_curve
+
+    path = run_dir / "forecast.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    rungs = ladder or (old or {}).get("rungs")
+    if not rungs:
+        return {"status": "none", "note": "the run has no forecast.json and no --ladder was given"}
+    try:
+        curves = [rung_curve(d) for d in rungs]
+    except ForecastError as exc:
+        raise ReplanError(f"--ladder: {exc}; pass the rungs' run directories with --ladder") from None
+    target = accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops_without_lm_head"]
+    e = (old or {}).get("e")
+    fc = forecast(curves, target, cfg.train.steps, e=e)
+    fc.update(target=(old or {}).get("target", cfg.name), target_flops=target, rungs=list(rungs), e=e, replan=n)
+    if old is not None:
+        kept = run_dir / f"forecast.before-replan-{n}.json"
+        _write_atomic(kept, path.read_text())
+    _write_atomic(path, json.dumps(fc, indent=1))
+    return {"status": "recomputed", "path": str(path), "target_flops": target, "points": len(fc["fractions"])}
