@@ -298,3 +298,79 @@ def test_eval_loss_outside_the_forecast_band_alerts():
     ]
     mon = check_records(recs, forecast=fc)
     assert alerts(mon) == [("forecast_band", 300)]
+
+
+# ------------------------------------------------------------------ health against the ladder's own trajectories
+
+from moelab.ladder.health import ladder_trajectories  # noqa: E402
+
+
+def trajectory_run(steps, seed, fault=None, records=100):
+    """Training records whose gradient norm falls from a warmup peak and whose drops sit near 1%."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(1, records + 1):
+        step = round(i * steps / records)
+        f = step / steps
+        gn = (0.4 + 2.0 * np.exp(-f / 0.08)) * np.exp(rng.normal(0, 0.05))
+        drop = 0.01 + rng.normal(0, 0.001)
+        if fault == "slow_grad_growth" and f > 0.5:
+            gn *= 2.0 ** ((f - 0.5) / 0.07)  # doubles every 7% of the run: never 2x in five log steps
+        if fault == "slow_drop_climb" and f > 0.5:
+            drop += 0.0015 * (i - records // 2)  # 0.15 points per log step
+        out.append(
+            {"kind": "train", "step": step, "loss": 3 + 3 * np.exp(-3 * f), "grad_norm": gn, "dropped_frac": drop}
+        )
+    return out
+
+
+def write_rung_run(root, name, steps, seed):
+    run = root / name
+    run.mkdir()
+    cfg = load_config("tiny", [f"train.steps={steps}"])
+    (run / "config.json").write_text(json.dumps({"hash": "x", "config": to_dict(cfg)}))
+    with open(run / "metrics.jsonl", "w") as fh:
+        for rec in trajectory_run(steps, seed, records=steps // 10):
+            fh.write(json.dumps(rec) + "\n")
+    return run
+
+
+@pytest.fixture
+def ladder_runs(tmp_path):
+    return [write_rung_run(tmp_path, f"r{i}", steps, seed=i) for i, steps in enumerate((300, 600, 1200))]
+
+
+def test_a_clean_run_matches_the_ladder(ladder_runs):
+    lad = ladder_trajectories(ladder_runs)
+    for seed in (10, 11, 12):
+        mon = check_records(trajectory_run(5000, seed), ladder=lad, steps=5000)
+        assert alerts(mon) == [], alerts(mon)
+        assert mon.state["grad_norm_vs_ladder"] == "OK" and mon.state["drops_vs_ladder"] == "OK"
+
+
+@pytest.mark.parametrize(
+    "fault,check", [("slow_grad_growth", "grad_norm_vs_ladder"), ("slow_drop_climb", "drops_vs_ladder")]
+)
+def test_slow_faults_that_only_the_ladder_catches(ladder_runs, fault, check):
+    records = trajectory_run(5000, 10, fault=fault)
+    alone = check_records(records, steps=5000)  # the run against its own recent past
+    assert alerts(alone) == [], alerts(alone)
+    mon = check_records(records, ladder=ladder_trajectories(ladder_runs), steps=5000)
+    found = [step for c, step in alerts(mon) if c == check]
+    assert found, alerts(mon)
+    assert 2500 < found[0] <= 2500 + 0.2 * 5000  # within a fifth of the run after it began
+
+
+def test_health_command_takes_the_ladder(ladder_runs, tmp_path):
+    run = write_rung_run(tmp_path, "target", 3000, seed=20)
+    with open(run / "metrics.jsonl", "a") as fh:  # the gradient norm takes off at the end
+        for i in range(1, 31):
+            step = 3000 + 10 * i
+            rec = {"kind": "train", "step": step, "loss": 3.1, "grad_norm": 0.5 * 1.2**i, "dropped_frac": 0.01}
+            fh.write(json.dumps(rec) + "\n")
+    res = run_cli("health", str(run), "--ladder", *map(str, ladder_runs), "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["check"]: r for r in json.loads(res.stdout)}
+    assert rows["grad_norm_vs_ladder"]["level"] == "ALERT"
+    res = run_cli("health", str(run), "--ladder", str(tmp_path / "missing"))
+    assert res.returncode == 2 and "--ladder" in res.stderr and res.stderr.count("\n") == 1

@@ -315,13 +315,11 @@ def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from moelab.ladder.health import check_records
+    from moelab.ladder.health import check_records, ladder_from_forecast, ladder_trajectories
     from moelab.train import optim
     from moelab.train.loop import load_run_config
     from moelab.train.record import RunDir, read_jsonl
 
-    if args.ladder:
-        raise UsageError("--ladder: comparing with the rungs' trajectories is not built yet; use --forecast")
     run = RunDir(args.run_dir)
     cfg = load_run_config(run.path)
     h = optim.hyper(cfg)
@@ -329,7 +327,20 @@ def cmd_health(args: argparse.Namespace) -> int:
     if args.forecast and not forecast_path.is_file():
         raise UsageError(f"{forecast_path}: no such forecast file")
     forecast = json.loads(forecast_path.read_text()) if forecast_path.is_file() else None
-    mon = check_records(read_jsonl(run.metrics), lambda s: h.peak_lr * float(optim.lr_factor(s, h)), forecast)
+    if args.ladder:
+        try:
+            ladder = ladder_trajectories(args.ladder)
+        except ValueError as exc:
+            raise UsageError(f"--ladder: {exc}") from None
+    else:
+        ladder = ladder_from_forecast(forecast)
+    mon = check_records(
+        read_jsonl(run.metrics),
+        lambda s: h.peak_lr * float(optim.lr_factor(s, h)),
+        forecast,
+        ladder=ladder,
+        steps=cfg.train.steps,
+    )
     rows = []
     for check, level in sorted(mon.state.items()):
         last = [f for f in mon.findings if f.check == check][-1]
@@ -345,25 +356,25 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ladder_plan(args: argparse.Namespace) -> int:
+def print_plan(ladder, flops_per_s: float | None = None, as_json: bool = False) -> None:
+    """The rungs (and target) of a ladder: shapes, parameters, tokens, steps, FLOPs, time here."""
     from moelab import accounting
-    from moelab.ladder.plan import load_ladder, plan
+    from moelab.ladder.plan import plan
     from moelab.train.record import matmul_peak
 
-    ladder = load_ladder(args.ladder)
     assumed_mfu = 0.2  # what the tiny demo reaches on 2 CPU cores
-    rate = args.flops_per_s or assumed_mfu * matmul_peak()
+    rate = flops_per_s or assumed_mfu * matmul_peak()
     rows = plan(ladder, rate)
-    if args.json:
+    if as_json:
         print(json.dumps({"ladder": ladder.name, "flops_per_s": rate, "rungs": rows}, indent=1))
-        return 0
+        return
     h = accounting.human
     print(
         f"{ladder.name}: recipe {ladder.recipe}, head_dim {ladder.head_dim}; time at {rate:.3g} FLOP/s"
-        + ("" if args.flops_per_s else f" ({assumed_mfu:.0%} of this machine's measured matmul peak)")
+        + ("" if flops_per_s else f" ({assumed_mfu:.0%} of this machine's measured matmul peak)")
     )
     print(
-        f"  {'rung':<7} {'layers':>6} {'heads':>5} {'kv l/g':>7} {'batch':>6} {'total':>8} {'active':>8} {'tokens':>9}"
+        f"  {'rung':<13} {'layers':>6} {'heads':>5} {'kv l/g':>7} {'batch':>6} {'total':>8} {'active':>8} {'tokens':>9}"
         f" {'tok/act':>7} {'steps':>7} {'FLOPs':>9} {'time':>9}"
     )
     for r in rows:
@@ -380,10 +391,16 @@ def cmd_ladder_plan(args: argparse.Namespace) -> int:
             else f"{t:.0f} s"
         )
         print(
-            f"  {r['rung']:<7} {r['n_layers']:>6} {r['n_heads']:>5} {r['kv_heads_local']:>3}/{r['kv_heads_global']:<3}"
+            f"  {r['rung']:<13} {r['n_layers']:>6} {r['n_heads']:>5} {r['kv_heads_local']:>3}/{r['kv_heads_global']:<3}"
             f" {r['batch_size']:>6} {h(r['total_params']):>8} {h(r['active_params']):>8} {r['tokens']:>9.3g}"
             f" {r['tokens_per_active_param']:>7.0f} {r['steps']:>7} {r['train_flops']:>9.3g} {when:>9}"
         )
+
+
+def cmd_ladder_plan(args: argparse.Namespace) -> int:
+    from moelab.ladder.plan import load_ladder
+
+    print_plan(load_ladder(args.ladder), args.flops_per_s, args.json)
     return 0
 
 
@@ -600,7 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
     p.add_argument("run_dir")
     p.add_argument("--forecast", help="a forecast.json to hold the eval loss against (default: RUN_DIR/forecast.json)")
-    p.add_argument("--ladder", action="append", help="(not built yet) ladder run directories to compare with")
+    p.add_argument(
+        "--ladder",
+        nargs="+",
+        metavar="DIR",
+        help="rung runs to hold the gradient norm and drops against (default: the forecast's rungs)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_health)
 

@@ -1,9 +1,10 @@
-"""`make demo`: Marin's hero and ladder as moelab counts them, then the example experiment.
+"""`make demo`: Marin's hero and ladder as moelab counts them, then the ladder experiment.
 
-The experiment (experiments/exp4_tiny_stdlib.py) goes through `moelab run`: its declaration and
-prediction are journaled, the tiny MoE trains on the standard library (tokenizer, token store,
-evals every 5%, checkpoints), a checkpoint is evaluated, the verdict is recorded, and the site
-is written to runs/site.
+The experiment (experiments/exp5_ladder_forecast.py) goes through `moelab run`: its declaration
+and prediction are journaled; three tiny rungs train on the standard library (tokenizer, token
+store, evals every 5%, checkpoints); the target's whole curve is forecast from them and the
+forecast registered in the journal; the target trains, monitored against the forecast and the
+rungs; its health summary and forecast error are judged; the site is written to runs/site.
 """
 
 from __future__ import annotations
@@ -74,35 +75,92 @@ def print_layer_table(rec: dict) -> None:
         print(f"  {i:<6}" + "".join(f"{float(rec[c + '_per_layer'][i]):>15.4f}" for c in cols))
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "experiments" / "exp4_tiny_stdlib.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "experiments" / "exp5_ladder_forecast.py"
+DEMO_LADDER = ROOT / "ladders" / "demo.yaml"
+
+
+def print_forecast(health: dict) -> None:
+    fc = health.get("forecast")
+    if not fc:
+        return
+    print("\n  the registered forecast against the target's held-out loss (dropless, macro):")
+    print(f"  {'fraction':>8} {'step':>6} {'forecast':>9} {'band (5-95%)':>18} {'actual':>8} {'error':>7}")
+    for p in fc["points"]:
+        band = f"[{p['low']:.3f}, {p['high']:.3f}]"
+        print(
+            f"  {p['fraction']:>8.0%} {p['step']:>6} {p['predicted']:>9.4f} {band:>18} {p['actual']:>8.4f}"
+            f" {p['error']:>+7.2%}"
+        )
+    print(
+        f"  mean |error| {fc['mean_abs_error_pct']:.2f}%, largest {fc['max_abs_error_pct']:.2f}%, final "
+        f"{fc['final_error_pct']:+.2f}%; inside the band at {fc['inside_band']} of {len(fc['points'])} points"
+    )
+
+
+def print_health(health: dict) -> None:
+    print(f"\n  health of the target: {health['alerts']} ALERTs")
+    for check, c in health["checks"].items():
+        alert = f" (first ALERT at step {c['first_alert']})" if c["first_alert"] is not None else ""
+        print(f"    {c['level']:<6} {check:<20} {c['evidence']}{alert}")
 
 
 def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str = "runs/site") -> int:
-    """The accounting table, then the example experiment through `moelab run`, then its site."""
-    from moelab.cli import print_summary
+    """The accounting table, then an experiment through `moelab run` (by default the ladder:
+    rungs, a registered forecast, a monitored target, its health and verdict), then the site."""
+    import time
+
+    from moelab.cli import print_plan, print_summary
     from moelab.lab.commands import load_experiment
     from moelab.lab.executor import Runner
-    from moelab.report.site import build_site
+    from moelab.report.site import build_site, forecast_figure
 
+    t0 = time.time()
     print_accounting()
     path = Path(experiment) if experiment else EXAMPLE
     exp = load_experiment(path)
+    if experiment is None:
+        from moelab.ladder.plan import load_ladder
+
+        print(f"The ladder ({DEMO_LADDER.relative_to(ROOT)}):")
+        print_plan(load_ladder(DEMO_LADDER))
+        print()
     print(f"Running {path} ({exp.title}) with `moelab run`; finished steps under {prefix}/ are reused.")
     print(f"  hypothesis: {exp.hypothesis}\n  prediction: {exp.prediction.describe()}\n")
     runner = Runner(exp, prefix)
     result = runner.run()
+    trained = [s for s in exp.all_steps() if (runner.out(s) / "summary.json").exists()]
+    for step in trained:
+        print(f"\n{step.name}:", end="")
+        print_summary(json.loads((runner.out(step) / "summary.json").read_text()))
+    if trained:
+        last = [r for r in read_jsonl(runner.out(trained[-1]) / "metrics.jsonl") if r["kind"] == "train"][-1]
+        print(f"\n  per-layer MoE metrics of {trained[-1].name} at its last step:")
+        print_layer_table(last)
+    registered = [e for e in runner.journal.read() if e["event"] == "forecast_registered"]
+    if registered:
+        r = registered[-1]
+        print(
+            f"\nforecast registered in the journal before the target trained: hash {r['hash']}, "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['time']))}"
+        )
     for step in exp.all_steps():
-        summary = runner.out(step) / "summary.json"
-        if summary.exists():
-            print_summary(json.loads(summary.read_text()))
-            last = [r for r in read_jsonl(runner.out(step) / "metrics.jsonl") if r["kind"] == "train"][-1]
-            print("\n  per-layer MoE metrics at the last step:")
-            print_layer_table(last)
+        health = runner.out(step) / "health.json"
+        if health.exists():
+            h = json.loads(health.read_text())
+            print_forecast(h)
+            print_health(h)
     v = result["verdict"]
     if v:
         print(f"\nverdict: {v['verdict']}: {v['why']} (predicted {v['predicted']:g})")
     else:
         print(f"\nno verdict: steps not finished: {result['steps']}")
     index = build_site(Path(prefix), Path(site))
+    for step in exp.all_steps():
+        fig = forecast_figure(runner.out(step))
+        if fig is not None:
+            fig.savefig(Path(site) / "forecast_vs_actual.svg", bbox_inches="tight")
+            print(f"forecast plot: {(Path(site) / 'forecast_vs_actual.svg').resolve()}")
     print(f"\nsite: {index.resolve()}  (open it in a browser; it works offline)")
+    print(f"demo finished in {time.time() - t0:.0f} s")
     return 0 if v else 1

@@ -257,6 +257,10 @@ class Runner:
                 return "FAILED", None
             if lease.lost:
                 self.journal.write("lease_lost", step=step.name, dir=step.dirname())
+            outcome = dict(outcome or {})
+            for entry in outcome.pop("journal", []):  # registrations, before anything downstream starts
+                entry = dict(entry)
+                self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
             provenance = {
                 "step": step.name,
                 "identity": step.identity(),

@@ -8,14 +8,23 @@ from moelab.lab.graph import Step, versioned
 
 
 def _config(cfg: dict):
-    from moelab.config import load_config
+    from moelab.config import config_from_dict, load_config
 
+    if "resolved" in cfg:  # a whole config, as a ladder's rule made it
+        return config_from_dict(cfg["resolved"])
     return load_config(cfg["config"], list(cfg.get("overrides", [])))
 
 
 def _train(cfg: dict, out: Path) -> dict:
+    import shutil
+
     from moelab.train.loop import train
 
+    if cfg.get("forecast") and not (out / "forecast.json").exists():
+        # the registered forecast goes into the run before its first step: the loop monitors against it
+        tmp = out / ".forecast.json.tmp"
+        shutil.copyfile(cfg["forecast"], tmp)
+        tmp.replace(out / "forecast.json")
     # resume=True: a rerun of a failed step continues from its newest checkpoint
     return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True))
 
@@ -28,15 +37,151 @@ def _estimate(cfg: dict) -> dict:
     return {"flops": accounting.count(c).train(tokens)["train_flops"], "tokens": tokens}
 
 
-def train_step(name: str, config: str, overrides: list[str] = (), *, progress: bool = True, **resources) -> Step:
-    """Train ``config`` (a preset or YAML path) with ``overrides``; both are versioned."""
+def train_step(
+    name: str, config, overrides: list[str] = (), *, forecast=None, progress: bool = True, **resources
+) -> Step:
+    """Train ``config`` (a preset or YAML path with ``overrides``, or a Config object); all versioned.
+
+    ``forecast``: ``output_of(a forecast step) / "forecast.json"``; the run is monitored against it
+    (and against the rungs it came from) from its first step."""
+    from moelab.config import Config, to_dict
+
+    if isinstance(config, Config):
+        fields = {"resolved": versioned(to_dict(config)), "name": config.name}
+    else:
+        fields = {"config": versioned(config), "overrides": versioned(list(overrides))}
+    if forecast is not None:
+        fields["forecast"] = versioned(forecast)
     return Step(
         name=name,
         fn=_train,
-        config={"config": versioned(config), "overrides": versioned(list(overrides)), "progress": progress},
+        config={**fields, "progress": progress},
         resources=resources,
         estimate=_estimate,
     )
+
+
+def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -> tuple[list[Step], object]:
+    """One training step per rung of a ladder plan, and the target's config (None without one)."""
+    from moelab.ladder.plan import load_ladder, rung_config
+
+    ladder = load_ladder(ladder_path)
+    rungs = [
+        train_step(f"{prefix}{ladder.name}-d{d}", rung_config(ladder, i), progress=progress)
+        for i, d in enumerate(ladder.widths)
+    ]
+    target = rung_config(ladder, len(ladder.widths)) if ladder.target_width else None
+    return rungs, target
+
+
+def _forecast(cfg: dict, out: Path) -> dict:
+    import hashlib
+    import json
+
+    from moelab import accounting
+    from moelab.ladder.forecast import forecast, rung_curve
+
+    target = _config(cfg["target"])
+    rungs = [rung_curve(d) for d in cfg["rungs"]]
+    flops = accounting.count(target).train(accounting.run_tokens(target))["train_flops_without_lm_head"]
+    fc = forecast(rungs, flops, target.train.steps, e=cfg.get("e"))
+    if not fc["fractions"]:
+        raise ValueError("forecast: fewer than two rungs have evaluations at the same fractions")
+    fc.update(target=target.name, target_flops=flops, rungs=list(cfg["rungs"]), e=cfg.get("e"))
+    text = json.dumps(fc, indent=1)
+    tmp = out / ".forecast.json.tmp"
+    tmp.write_text(text)
+    tmp.replace(out / "forecast.json")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    final = {"loss": fc["loss"][-1], "low": fc["low"][-1], "high": fc["high"][-1], "fraction": fc["fractions"][-1]}
+    return {
+        "hash": digest,
+        "target": target.name,
+        "target_flops": flops,
+        "final": final,
+        # the runner writes these into the experiment's journal before any step that needs this one starts
+        "journal": [
+            {
+                "event": "forecast_registered",
+                "hash": digest,
+                "path": str(out / "forecast.json"),
+                "target": target.name,
+                "target_steps": target.train.steps,
+                "final_loss": final["loss"],
+                "band": [final["low"], final["high"]],
+                "rungs": list(cfg["rungs"]),
+            }
+        ],
+    }
+
+
+def forecast_step(name: str, rungs: list, target, *, e: float | None = None) -> Step:
+    """Forecast ``target`` (a Config) from ``rungs`` (``output_of(rung)`` each): forecast.json, its
+    hash registered in the journal before the target trains."""
+    from moelab.config import to_dict
+
+    return Step(
+        name=name,
+        fn=_forecast,
+        config={
+            "rungs": versioned(list(rungs)),
+            "target": {"resolved": versioned(to_dict(target))},
+            "e": versioned(e),
+        },
+    )
+
+
+def _health(cfg: dict, out: Path) -> dict:
+    import json
+
+    import numpy as np
+
+    from moelab.ladder.health import check_records, ladder_from_forecast
+    from moelab.train import optim
+    from moelab.train.loop import load_run_config
+    from moelab.train.record import read_jsonl
+
+    run = Path(cfg["run"])
+    rcfg = load_run_config(run)
+    h = optim.hyper(rcfg)
+    fc = json.loads((run / "forecast.json").read_text()) if (run / "forecast.json").exists() else None
+    recs = read_jsonl(run / "metrics.jsonl")
+    mon = check_records(
+        recs,
+        lambda s: h.peak_lr * float(optim.lr_factor(s, h)),
+        fc,
+        ladder=ladder_from_forecast(fc),
+        steps=rcfg.train.steps,
+    )
+    checks = {}
+    for check, level in sorted(mon.state.items()):
+        found = [f for f in mon.findings if f.check == check]
+        alert = next((f.step for f in found if f.level == "ALERT"), None)
+        checks[check] = {"level": level, "evidence": found[-1].evidence, "first_alert": alert}
+    result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks}
+    if fc:
+        actual = {r["step"]: r["loss_dropless"]["macro"] for r in recs if r.get("kind") == "eval"}
+        points = [
+            {"fraction": f, "step": s, "predicted": p, "low": lo, "high": hi, "actual": actual[s], "error": p / actual[s] - 1}
+            for f, s, p, lo, hi in zip(fc["fractions"], fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True)
+            if s in actual
+        ]  # fmt: skip
+        if points:
+            errs = np.array([p["error"] for p in points])
+            result["forecast"] = {
+                "points": points,
+                "final_error_pct": 100 * points[-1]["error"],
+                "mean_abs_error_pct": float(100 * np.mean(np.abs(errs))),
+                "max_abs_error_pct": float(100 * np.max(np.abs(errs))),
+                "inside_band": int(sum(p["low"] <= p["actual"] <= p["high"] for p in points)),
+            }
+    (out / "health.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def health_step(name: str, run) -> Step:
+    """The health summary of a finished run (``output_of(train)``), and its forecast's error."""
+    return Step(name=name, fn=_health, config={"run": versioned(run)})
 
 
 def _evaluate(cfg: dict, out: Path) -> dict:

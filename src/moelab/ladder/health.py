@@ -2,8 +2,9 @@
 
 Marin's checklist as code: each check reads the metrics records as they arrive and says OK,
 WATCH or ALERT with its evidence. Without a ladder or forecast a check compares the run with
-its own recent past; with them (later) it compares with the ladder's pattern at the same
-fraction of training.
+its own recent past; with a forecast the held-out loss is held against its band, and with the
+ladder's rung runs the gradient norm's rate of change and the dropped fraction are held against
+the rungs' at the same fraction of training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,59 @@ from dataclasses import dataclass, field
 import numpy as np
 
 LEVELS = ("OK", "WATCH", "ALERT")
+RATE_WINDOW = 0.1  # the gradient norm's rate of change is judged over this fraction of the run
+
+
+@dataclass
+class LadderTrajectories:
+    """The rungs' gradient norm (log) and dropped fraction at each 1% of their runs, smoothed."""
+
+    grid: np.ndarray  # fractions 0.01 ... 1.0
+    log_grad_norm: np.ndarray  # [rungs, grid]
+    drops: np.ndarray  # [rungs, grid]
+    names: list[str]
+
+    def at(self, f: float) -> int:
+        return int(np.clip(round(f * 100) - 1, 0, len(self.grid) - 1))
+
+    def rates(self, f: float) -> np.ndarray:
+        """Each rung's change of log gradient norm over the window of the run ending at ``f``."""
+        return self.log_grad_norm[:, self.at(f)] - self.log_grad_norm[:, self.at(f - RATE_WINDOW)]
+
+
+def _smooth(x: np.ndarray, k: int = 5) -> np.ndarray:
+    """Running median over the last ``k`` values (fewer at the start)."""
+    return np.array([np.median(x[max(0, i - k + 1) : i + 1]) for i in range(len(x))])
+
+
+def ladder_trajectories(run_dirs) -> LadderTrajectories:
+    """Read the rungs' training records; refuse (ValueError, naming the directory) what cannot be used."""
+    import json
+    from pathlib import Path
+
+    from moelab.train.record import read_jsonl
+
+    grid = np.arange(1, 101) / 100
+    logs, drops, names = [], [], []
+    for d in run_dirs:
+        d = Path(d)
+        if not (d / "config.json").is_file():
+            raise ValueError(f"{d}: no config.json; is this a training run?")
+        steps = json.loads((d / "config.json").read_text())["config"]["train"]["steps"]
+        recs = [
+            r
+            for r in read_jsonl(d / "metrics.jsonl")
+            if r.get("kind") == "train" and math.isfinite(r.get("grad_norm", math.nan))
+        ]
+        if len(recs) < 5:
+            raise ValueError(f"{d}: fewer than 5 training records; a rung must have trained")
+        f = np.array([r["step"] / steps for r in recs])
+        g = _smooth(np.log(np.maximum([r["grad_norm"] for r in recs], 1e-12)))
+        dr = _smooth(np.array([r.get("dropped_frac", 0.0) for r in recs]))
+        logs.append(np.interp(grid, f, g))
+        drops.append(np.interp(grid, f, dr))
+        names.append(d.name)
+    return LadderTrajectories(grid, np.array(logs), np.array(drops), names)
 
 
 @dataclass
@@ -31,6 +85,8 @@ class HealthMonitor:
 
     lr_at: object = None  # callable(step) -> expected learning rate, when the schedule is known
     forecast: dict | None = None  # a forecast.json: eval loss is held against its band
+    ladder: LadderTrajectories | None = None  # gradient norm and drops are held against the rungs'
+    steps: int = 0  # the run's planned steps (to place a record at a fraction of the run)
     window: int = 5  # records a trend is judged over
     history: dict = field(default_factory=lambda: {"train": [], "eval": []})
     state: dict = field(default_factory=dict)  # check -> current level
@@ -132,6 +188,8 @@ class HealthMonitor:
                     "WATCH" if change > 3 or change < 1 / 3 else "OK",
                     f"bias spread x{change:.2f}",
                 )
+        if self.ladder is not None and self.steps and finite:
+            yield from self._ladder_checks(finite, step / self.steps)
         ent = rec.get("router_entropy")
         if ent is not None and math.isfinite(ent):
             level = "ALERT" if ent < 0.3 else "WATCH" if ent < 0.6 else "OK"
@@ -140,6 +198,38 @@ class HealthMonitor:
             want = float(self.lr_at(step - 1))
             ok = abs(rec["lr"] - want) <= 1e-6 + 1e-3 * abs(want)
             yield "lr_schedule", "OK" if ok else "ALERT", f"learning rate {rec['lr']:.3g}, schedule says {want:.3g}"
+
+    def _ladder_checks(self, finite: list[dict], f: float):
+        """The gradient norm's rate of change and the dropped fraction against the rungs' at ``f``."""
+        lad = self.ladder
+        if f >= RATE_WINDOW + 0.05:
+            now = float(np.median(np.log([r["grad_norm"] for r in finite[-5:]])))
+            fs = np.array([r["step"] / self.steps for r in finite])
+            i = int(np.argmin(np.abs(fs - (f - RATE_WINDOW))))
+            then = float(np.median(np.log([r["grad_norm"] for r in finite[max(0, i - 2) : i + 3]])))
+            rate, rungs = now - then, lad.rates(f)
+            lo, hi = float(rungs.min()), float(rungs.max())
+            evidence = (
+                f"gradient norm x{math.exp(rate):.2f} over the last {RATE_WINDOW:.0%} of the run; the rungs "
+                f"x{math.exp(lo):.2f} to x{math.exp(hi):.2f} at {f:.0%}"
+            )
+            if rate > hi + (hi - lo) + math.log(2):
+                yield "grad_norm_vs_ladder", "ALERT", evidence
+            elif rate > hi + 0.5 * (hi - lo) + math.log(1.5):
+                yield "grad_norm_vs_ladder", "WATCH", evidence
+            else:
+                yield "grad_norm_vs_ladder", "OK", evidence
+        if f >= 0.05:
+            now = float(np.median([r.get("dropped_frac", 0.0) for r in finite[-5:]]))
+            rungs = lad.drops[:, lad.at(f)]
+            hi = float(rungs.max())
+            evidence = f"dropped fraction {now:.4f}; the rungs {rungs.min():.4f} to {hi:.4f} at {f:.0%}"
+            if now > 2 * hi + 0.01:
+                yield "drops_vs_ladder", "ALERT", evidence
+            elif now > 1.5 * hi + 0.005:
+                yield "drops_vs_ladder", "WATCH", evidence
+            else:
+                yield "drops_vs_ladder", "OK", evidence
 
     # ------------------------------------------------------------------ evaluation records
 
@@ -176,9 +266,24 @@ class HealthMonitor:
                 yield "eval_decreasing", "OK", f"held-out loss {macro:.3f}"
 
 
-def check_records(records: list[dict], lr_at=None, forecast: dict | None = None) -> HealthMonitor:
+def ladder_from_forecast(forecast: dict | None) -> LadderTrajectories | None:
+    """The trajectories of the rungs a forecast was made from, when they are all still there."""
+    from pathlib import Path
+
+    dirs = (forecast or {}).get("rungs") or []
+    if not dirs or not all((Path(d) / "metrics.jsonl").is_file() for d in dirs):
+        return None
+    try:
+        return ladder_trajectories(dirs)
+    except ValueError:
+        return None
+
+
+def check_records(
+    records: list[dict], lr_at=None, forecast: dict | None = None, ladder=None, steps: int = 0
+) -> HealthMonitor:
     """Run the monitor over a finished run's records (offline)."""
-    mon = HealthMonitor(lr_at=lr_at, forecast=forecast)
+    mon = HealthMonitor(lr_at=lr_at, forecast=forecast, ladder=ladder, steps=steps)
     for rec in records:
         mon.update(rec)
     return mon

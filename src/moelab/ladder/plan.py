@@ -8,16 +8,19 @@ active parameter (or one compute budget each). `moelab ladder plan LADDER.yaml` 
     overrides: [train.lr=auto]    # applied to every rung
     widths: [64, 96, 128]
     head_dim: 32
-    layers: [2, 3, 4]             # one per width, or a number: layers = round(d * number)
+    layers: [2, 3, 4]             # one per width (or one for all), or a number: layers = round(d * number)
     kv_local_divisor: 2           # kv heads of local layers = max(1, heads // this)
     kv_global_divisor: 4          # kv heads of global layers = max(1, heads // this)
     expert_ratio: 0.5             # expert, latent and shared widths = d * this
     batch_size: 16                # sequences per step: one number, or one per width
     tokens_per_active_param: 791  # or budget_flops: training FLOPs per rung
+    target_width: 96              # optional: the run the ladder forecasts, by the same rules
+                                  # (layers and batch_size lists may give it one more entry)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from moelab import accounting
 from moelab.config import Config, ConfigError, load_config
 
 FIELDS = ("recipe", "overrides", "widths", "head_dim", "layers", "kv_local_divisor", "kv_global_divisor",
-          "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name")  # fmt: skip
+          "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name", "target_width")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class Ladder:
     budget_flops: float = 0.0
     overrides: tuple[str, ...] = ()
     name: str = "ladder"
+    target_width: int = 0  # 0 = none: the target is given elsewhere (a preset or config)
+
+    def all_widths(self) -> tuple[int, ...]:
+        """The rungs' widths, then the target's when the ladder names one."""
+        return self.widths + ((self.target_width,) if self.target_width else ())
 
 
 def load_ladder(path: str | Path) -> Ladder:
@@ -72,11 +80,16 @@ def load_ladder(path: str | Path) -> Ladder:
         expert_ratio=float(data.get("expert_ratio", 0.5)), batch_size=batch,
         tokens_per_active_param=float(data.get("tokens_per_active_param", 0)),
         budget_flops=float(data.get("budget_flops", 0)), overrides=tuple(data.get("overrides", []) or ()),
-        name=str(data.get("name", path.stem)),
+        name=str(data.get("name", path.stem)), target_width=int(data.get("target_width", 0) or 0),
     )  # fmt: skip
     for key, value in (("layers", ladder.layers), ("batch_size", ladder.batch_size)):
-        if isinstance(value, tuple) and len(value) != len(widths):
+        allowed = {1, len(widths), len(widths) + 1} if ladder.target_width else {1, len(widths)}
+        if isinstance(value, tuple) and len(value) not in allowed:
             errors.append(f"{path}: {key}: {len(value)} values for {len(widths)} widths")
+    if ladder.target_width and ladder.target_width <= max(widths):
+        errors.append(f"{path}: target_width: {ladder.target_width} is not wider than the widest rung {max(widths)}")
+    if ladder.target_width % ladder.head_dim:
+        errors.append(f"{path}: target_width: {ladder.target_width} is not a multiple of head_dim {ladder.head_dim}")
     if bool(ladder.tokens_per_active_param) == bool(ladder.budget_flops):
         errors.append(f"{path}: tokens_per_active_param: give it or budget_flops, exactly one")
     for d in widths:
@@ -88,12 +101,13 @@ def load_ladder(path: str | Path) -> Ladder:
 
 
 def _pick(value, i: int):
-    return value[i] if isinstance(value, tuple) else value
+    return value[min(i, len(value) - 1)] if isinstance(value, tuple) else value
 
 
 def rung_config(ladder: Ladder, i: int, steps: int | None = None) -> Config:
-    """The recipe at width ``widths[i]``, with heads, depth, kv heads, widths and batch by rule."""
-    d = ladder.widths[i]
+    """The recipe at width ``all_widths()[i]`` (the target's after the rungs), with heads, depth,
+    kv heads, widths and batch by rule."""
+    d = ladder.all_widths()[i]
     heads = d // ladder.head_dim
     layers = _pick(ladder.layers, i) if isinstance(ladder.layers, tuple) else max(1, round(d * ladder.layers))
     base = load_config(ladder.recipe, list(ladder.overrides))
@@ -116,17 +130,17 @@ def rung_config(ladder: Ladder, i: int, steps: int | None = None) -> Config:
         else:
             tokens = ladder.budget_flops / (3 * a.forward_flops_per_token)
         steps = max(1, math.ceil(tokens / tokens_per_step))
-    return load_config(cfg, [f"train.steps={steps}"])
+    return dataclasses.replace(load_config(cfg, [f"train.steps={steps}"]), name=f"{ladder.name}-d{d}")
 
 
 def plan(ladder: Ladder, flops_per_s: float | None = None) -> list[dict]:
     rows = []
-    for i, d in enumerate(ladder.widths):
+    for i, d in enumerate(ladder.all_widths()):
         cfg = rung_config(ladder, i)
         tokens = accounting.run_tokens(cfg)
         out = accounting.count(cfg).train(tokens)
         rows.append({
-            "rung": f"d{d}", "d_model": d, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
+            "rung": f"d{d}" if i < len(ladder.widths) else f"d{d} (target)", "d_model": d, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
             "kv_heads_local": cfg.model.kv_heads_local, "kv_heads_global": cfg.model.n_kv_heads,
             "batch_size": cfg.train.batch_size, "total_params": out["total_params"], "active_params": out["active_params"],
             "tokens": tokens, "steps": cfg.train.steps, "train_flops": out["train_flops"],

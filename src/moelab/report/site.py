@@ -27,7 +27,7 @@ vertical-align:top;font-size:.92em}th{background:#f4f4f4}pre{background:#f7f7f7;
 font-size:.85em;white-space:pre-wrap}.CONFIRMED{color:#0a7a28;font-weight:bold}.FALSIFIED{color:#b00020;
 font-weight:bold}.INCONCLUSIVE{color:#a66b00;font-weight:bold}.fail td{background:#fde8e8}
 .change td{background:#fff6d6}.plots{display:flex;flex-wrap:wrap;gap:1em}.plot{flex:1 1 480px}
-.plot svg{width:100%;height:auto}.muted{color:#777}
+.plot svg{width:100%;height:auto}.muted{color:#777}.ALERT{color:#b00020;font-weight:bold}.WATCH{color:#a66b00}
 """
 
 E = html.escape
@@ -76,6 +76,42 @@ def _per_layer(steps: np.ndarray, tr: list[dict], key: str, title: str) -> str:
     return _svg(fig)
 
 
+def forecast_figure(run_dir: Path):
+    """The forecast (line and band) against the run's held-out curve and the rungs' curves, over
+    the fraction of each run; None when the run has no forecast.json or no evaluations."""
+    path = run_dir / "forecast.json"
+    if not path.exists():
+        return None
+    fc = json.loads(path.read_text())
+    ev = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
+    if not ev:
+        return None
+    steps = fc["steps"][-1] / fc["fractions"][-1]
+    fig, ax = _fig(
+        f"Forecast of {fc.get('target', run_dir.name)} against its held-out loss",
+        xlabel="fraction of the run",
+        ylabel="held-out loss, dropless, macro (nats / token)",
+    )
+    for rung in fc.get("rungs", []):
+        recs = [r for r in read_jsonl(Path(rung) / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
+        cfg = Path(rung) / "config.json"
+        if recs and cfg.exists():
+            n = json.loads(cfg.read_text())["config"]["train"]["steps"]
+            ax.plot([r["step"] / n for r in recs], [r["loss_dropless"]["macro"] for r in recs], color="0.75", lw=1)
+    ax.plot([], [], color="0.75", lw=1, label="ladder rungs")
+    ax.fill_between(fc["fractions"], fc["low"], fc["high"], alpha=0.25, color="C0", label="forecast band (5-95%)")
+    ax.plot(fc["fractions"], fc["loss"], color="C0", ls="--", label="forecast")
+    ax.plot(
+        [r["step"] / steps for r in ev],
+        [r["loss_dropless"]["macro"] for r in ev],
+        color="C3",
+        marker=".",
+        label="actual",
+    )
+    ax.legend(fontsize=7)
+    return fig
+
+
 def run_plots(run_dir: Path) -> list[tuple[str, str]]:
     """(title, inline svg) for one training run's metrics.jsonl."""
     recs = read_jsonl(run_dir / "metrics.jsonl")
@@ -104,6 +140,9 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
             ax.fill_between(f["steps"], f["low"], f["high"], alpha=0.2, label="forecast band")
     ax.legend(fontsize=7)
     plots.append(("loss", _svg(fig)))
+    fig = forecast_figure(run_dir)
+    if fig is not None:
+        plots.append(("forecast", _svg(fig)))
     if not tr:
         return plots
 
@@ -194,6 +233,43 @@ def _config_of(prefix: Path, dirname: str) -> str | None:
     return json.dumps(parts, indent=1, sort_keys=True) if parts else None
 
 
+def _health_section(name: str, health: dict, journal: list[dict]) -> str:
+    """The health checks' levels and the forecast's error at every 5%, from a health step."""
+    out = [f"<h2>Health: {E(name)}</h2><p>{health['alerts']} ALERTs.</p>"]
+    out.append("<table><tr><th>check</th><th>level</th><th>first ALERT</th><th>evidence</th></tr>")
+    for check, c in health["checks"].items():
+        alert = "" if c["first_alert"] is None else str(c["first_alert"])
+        out.append(
+            f"<tr><td>{E(check)}</td><td class='{E(c['level'])}'>{E(c['level'])}</td><td>{alert}</td>"
+            f"<td>{E(c['evidence'])}</td></tr>"
+        )
+    out.append("</table>")
+    fc = health.get("forecast")
+    if fc:
+        reg = [e for e in journal if e["event"] == "forecast_registered"]
+        when = (
+            f" Registered in the journal (hash <code>{E(reg[-1]['hash'])}</code>) at "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(reg[-1]['time']))}, before the target's first step."
+            if reg
+            else ""
+        )
+        out.append(
+            f"<h3>Forecast against outcome</h3><p>Mean absolute error {fc['mean_abs_error_pct']:.2f}%, largest "
+            f"{fc['max_abs_error_pct']:.2f}%, at the end {fc['final_error_pct']:+.2f}%; the actual loss is inside "
+            f"the band at {fc['inside_band']} of {len(fc['points'])} points.{when}</p>"
+        )
+        out.append(
+            "<table><tr><th>fraction</th><th>step</th><th>forecast</th><th>band</th><th>actual</th><th>error</th></tr>"
+        )
+        for p in fc["points"]:
+            out.append(
+                f"<tr><td>{p['fraction']:.0%}</td><td>{p['step']}</td><td>{p['predicted']:.4f}</td>"
+                f"<td>[{p['low']:.4f}, {p['high']:.4f}]</td><td>{p['actual']:.4f}</td><td>{p['error']:+.2%}</td></tr>"
+            )
+        out.append("</table>")
+    return "".join(out)
+
+
 def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
     events = Journal(journal_path).read()
     declared = [e for e in events if e["event"] == "declared"]
@@ -245,6 +321,11 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
             cfg = config_from_dict(json.loads(cfg_path.read_text())["config"])
             compute += accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops"]
     body.append("</table>")
+
+    for s in decl.get("steps", []):
+        health = prefix / s["dir"] / "health.json"
+        if health.exists():
+            body.append(_health_section(s["name"], json.loads(health.read_text()), events))
 
     body.append("<h2>Configuration</h2>")
     previous = {p["name"]: p["dir"] for p in declared[-2]["steps"]} if len(declared) > 1 else {}

@@ -22,7 +22,7 @@ from moelab.config import Config, config_from_dict, config_hash, to_dict
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
 from moelab.ladder.faults import Injector
-from moelab.ladder.health import HealthMonitor
+from moelab.ladder.health import HealthMonitor, ladder_from_forecast
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
@@ -173,7 +173,12 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
     # health checks see every record; a resumed run's monitor first re-reads what survived
     forecast_path = run.path / "forecast.json"  # `moelab ladder forecast --out RUN_DIR/forecast.json`
     forecast = json.loads(forecast_path.read_text()) if forecast_path.exists() else None
-    monitor = HealthMonitor(lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)), forecast=forecast)
+    monitor = HealthMonitor(
+        lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)),
+        forecast=forecast,
+        ladder=ladder_from_forecast(forecast),  # the rungs the forecast came from, when at hand
+        steps=steps,
+    )
     monitor.reset(read_jsonl(run.metrics))
 
     def record(rec: dict) -> None:

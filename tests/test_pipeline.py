@@ -1,0 +1,94 @@
+"""The ladder pipeline as an experiment: rungs, a forecast registered before the target's first
+step, a target monitored against it, the health summary and the verdict."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from conftest import MICRO
+from moelab.lab import Experiment, Prediction, output_of
+from moelab.lab.executor import Runner
+from moelab.lab.steps import forecast_step, health_step, ladder_steps, train_step
+from moelab.train.record import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def pipeline(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    keep = [o for o in MICRO if not o.startswith(("model.d_model", "model.n_heads", "model.n_kv", "model.n_layers",
+                                                  "model.expert_dim", "model.latent_dim", "model.shared_dim",
+                                                  "train.batch_size"))]  # fmt: skip
+    overrides = keep + [
+        f"data.sources=[{corpus['code']}, {corpus['prose']}]",
+        "train.lr=auto",
+        "train.log_every=2",
+        "train.checkpoint_every=1000",
+    ]
+    (root / "micro.yaml").write_text(
+        "name: micro\nrecipe: tiny\n"
+        f"overrides: {json.dumps(overrides)}\n"
+        "widths: [32, 48, 64]\ntarget_width: 96\nhead_dim: 16\nlayers: [1]\nbatch_size: 4\n"
+        "tokens_per_active_param: 1\n"
+    )
+    rungs, target_cfg = ladder_steps(str(root / "micro.yaml"), progress=False)
+    fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg)
+    target = train_step("target", target_cfg, forecast=output_of(fc) / "forecast.json", progress=False)
+    health = health_step("health", output_of(target))
+    exp = Experiment(
+        issue=5, slug="micro_ladder", title="micro ladder", goal="test", hypothesis="the forecast is near",
+        prediction=Prediction(metric="health:forecast.final_error_pct", value=0, low=-50, high=50), steps=[health],
+    )  # fmt: skip
+    runner = Runner(exp, root / "lab", log=lambda *a: None)
+    return runner, runner.run(), {"rungs": rungs, "fc": fc, "target": target, "health": health}
+
+
+def test_every_step_succeeds_and_is_judged(pipeline):
+    runner, result, steps = pipeline
+    assert set(result["steps"].values()) == {"SUCCESS"}, result
+    assert result["verdict"]["verdict"] in ("CONFIRMED", "INCONCLUSIVE", "FALSIFIED")
+    assert result["verdict"]["outcome"] is not None
+
+
+def test_the_forecast_is_registered_before_the_targets_first_step(pipeline):
+    runner, _, steps = pipeline
+    journal = runner.journal.read()
+    reg = [e for e in journal if e["event"] == "forecast_registered"]
+    assert len(reg) == 1
+    target_dir = runner.out(steps["target"])
+    text = (target_dir / "forecast.json").read_text()
+    assert reg[0]["hash"] == hashlib.sha256(text.encode()).hexdigest()[:12]  # what the target was held against
+    launch = next(e for e in read_jsonl(target_dir / "events.jsonl") if e["event"] == "launch")
+    first = next(r for r in read_jsonl(target_dir / "metrics.jsonl") if r["kind"] == "train")  # log_every 2
+    started = next(e for e in journal if e["event"] == "step_started" and e["step"] == "target")
+    assert reg[0]["time"] < started["time"] <= launch["time"]
+    assert first["step"] == 2 and reg[0]["target_steps"] == json.loads(text)["steps"][-1]
+
+
+def test_the_target_is_monitored_against_the_forecast_and_the_rungs(pipeline):
+    runner, _, steps = pipeline
+    out = json.loads((runner.out(steps["health"]) / "health.json").read_text())
+    for check in ("forecast_band", "grad_norm_vs_ladder", "drops_vs_ladder", "lr_schedule", "non_finite"):
+        assert check in out["checks"], sorted(out["checks"])
+    fc = out["forecast"]
+    assert len(fc["points"]) == 20  # every 5% of the target's run
+    for p in fc["points"]:
+        assert p["error"] == pytest.approx(p["predicted"] / p["actual"] - 1)
+    assert fc["final_error_pct"] == pytest.approx(100 * fc["points"][-1]["error"])
+    # the rungs the forecast names are the ladder's own runs
+    assert json.loads((runner.out(steps["fc"]) / "forecast.json").read_text())["rungs"] == [
+        str(runner.out(r)) for r in steps["rungs"]
+    ]
+
+
+def test_a_second_run_reuses_everything_and_registers_nothing_new(pipeline):
+    runner, _, _ = pipeline
+    before = runner.journal.read()
+    again = Runner(runner.exp, runner.prefix, log=lambda *a: None).run()
+    assert set(again["steps"].values()) == {"SUCCESS"}
+    after = runner.journal.read()
+    assert [e for e in after if e["event"] == "forecast_registered"] == [
+        e for e in before if e["event"] == "forecast_registered"
+    ]
