@@ -343,7 +343,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     )
     rows = []
     for check, level in sorted(mon.state.items()):
-        last = [f for f in mon.findings if f.check == check][-1]
+        last = mon.latest[check]
         first_alert = next((f.step for f in mon.findings if f.check == check and f.level == "ALERT"), None)
         rows.append({"check": check, "level": level, "evidence": last.evidence, "first_alert": first_alert})
     if args.json:

@@ -157,7 +157,8 @@ def _health(cfg: dict, out: Path) -> dict:
     for check, level in sorted(mon.state.items()):
         found = [f for f in mon.findings if f.check == check]
         alert = next((f.step for f in found if f.level == "ALERT"), None)
-        checks[check] = {"level": level, "evidence": found[-1].evidence, "first_alert": alert}
+        now = mon.latest[check]
+        checks[check] = {"level": level, "step": now.step, "evidence": now.evidence, "first_alert": alert}
     result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks}
     if fc:
         actual = {r["step"]: r["loss_dropless"]["macro"] for r in recs if r.get("kind") == "eval"}

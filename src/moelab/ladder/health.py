@@ -90,7 +90,8 @@ class HealthMonitor:
     window: int = 5  # records a trend is judged over
     history: dict = field(default_factory=lambda: {"train": [], "eval": []})
     state: dict = field(default_factory=dict)  # check -> current level
-    findings: list = field(default_factory=list)
+    findings: list = field(default_factory=list)  # every change of level
+    latest: dict = field(default_factory=dict)  # check -> its newest finding, changed or not
 
     def _set(self, check: str, level: str, step: int, evidence: str) -> Finding | None:
         if self.state.get(check) == level:
@@ -102,7 +103,7 @@ class HealthMonitor:
 
     def reset(self, records: list[dict]) -> None:
         """Forget everything and re-read ``records`` (after the run itself rewound)."""
-        self.history, self.state, self.findings = {"train": [], "eval": []}, {}, []
+        self.history, self.state, self.findings, self.latest = {"train": [], "eval": []}, {}, [], {}
         for rec in records:
             self.update(rec)
 
@@ -112,6 +113,7 @@ class HealthMonitor:
         out = []
         checks = self._train_checks(rec) if kind == "train" else self._eval_checks(rec)
         for check, level, evidence in checks:
+            self.latest[check] = Finding(check, level, rec["step"], evidence)
             f = self._set(check, level, rec["step"], evidence)
             if f:
                 out.append(f)
