@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# eight simulated CPU devices for the expert-parallel tests; set before anything imports JAX. A
+# run whose mesh is 1 x 1 ignores the extra devices (and so do the CLI subprocesses, which inherit it).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_REFERENCE = ROOT.parent / "shared" / "reference" / "marin_hero.json"

@@ -137,6 +137,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--inject", spec]
     if args.resume:
         out.append("--resume")
+    if args.devices:
+        out += ["--devices", str(args.devices)]
     if args.quiet:
         out.append("--quiet")
     return out
@@ -161,6 +163,15 @@ def print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.devices:
+        from moelab.parallel.mesh import MeshError, request_devices
+
+        if args.devices < 1:
+            raise UsageError(f"--devices: must be >= 1, got {args.devices}")
+        try:
+            request_devices(args.devices)  # before JAX loads
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
     cfg = _train_config(args)  # refuse a bad config before anything starts
     if args.max_restarts:
         from moelab.train.supervise import supervise
@@ -511,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="simulate N CPU devices (for mesh.data x mesh.expert = N); set before JAX loads",
+    )
     p.add_argument(
         "--tracker",
         action="append",

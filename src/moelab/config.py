@@ -72,6 +72,8 @@ class ModelConfig:
     capacity_factor: float = 1.25
     drop_order: str = "position"
     capacity_group: int = 0  # tokens per capacity group; 0 = the whole batch is one group
+    ep_transport: str = "fixed"  # expert parallel (mesh.expert > 1): fixed, spill or pooled_wave
+    ep_waves: int = 3  # pooled_wave: waves per exchange
     # numerics
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
@@ -454,6 +456,12 @@ def _check_model(m: ModelConfig) -> list[str]:
             lambda: int(m.head_size * m.rope_fraction) % 2 == 0,
             f"{m.rope_fraction} of head size {m.head_size} is not an even number of dims",
         )
+    check(
+        ("ep_transport",),
+        m.ep_transport in ("fixed", "spill", "pooled_wave"),
+        f"must be fixed, spill or pooled_wave, got {m.ep_transport!r}",
+    )
+    check(("ep_waves",), m.ep_waves >= 1, f"must be >= 1, got {m.ep_waves}")
     check(("top_k", "n_routed"), m.top_k <= m.n_routed, f"{m.top_k} is larger than model.n_routed={m.n_routed}")
     check(
         ("latent_dim", "d_model"), m.latent_dim <= m.d_model, f"{m.latent_dim} is larger than model.d_model={m.d_model}"
@@ -554,6 +562,12 @@ def _check_mesh(cfg: Config) -> list[str]:
         e.append(
             f"model.capacity_group: {group} does not divide the batch's {tokens} tokens "
             f"(train.batch_size x model.seq_len); use a divisor such as model.seq_len"
+        )
+    shards = cfg.mesh.data * cfg.mesh.expert
+    if shards > 0 and cfg.train.batch_size > 0 and cfg.train.batch_size % shards:
+        e.append(
+            f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
+            f"{shards} devices; use a multiple of {shards}"
         )
     if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
         e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")

@@ -192,6 +192,13 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
     """Routed experts' output [t, din] and what the dispatch did (drops, spills, tokens per expert)."""
     t, k = r.idx.shape
     n_experts = m.n_routed
+    from moelab.parallel import mesh as pmesh
+
+    mesh = pmesh.active()
+    if mesh is not None:  # expert parallel: the transport decides; dropless = a slot for every assignment
+        from moelab.parallel.ep import ep_routed_experts
+
+        return ep_routed_experts(h, r, w, m, mesh, dropless=dispatch == "dropless")
     if dispatch == "dropless":
         y = dropless(h, r.idx, r.gates, w)
         done = rt.expert_load(r.idx, n_experts)

@@ -69,6 +69,9 @@ def restore(root: Path, step: int, abstract_state) -> tuple[object, dict]:
 
     path = root / f"step_{step:08d}"
     meta = json.loads((path / "meta.json").read_text())
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
+    # restored onto the template's devices and shardings: a checkpoint saved under one mesh loads under another
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state
+    )
     state = ocp.StandardCheckpointer().restore((path / "state").absolute(), abstract)
     return state, meta

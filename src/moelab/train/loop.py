@@ -23,6 +23,7 @@ from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
 from moelab.ladder.faults import Injector
 from moelab.ladder.health import HealthMonitor, ladder_from_forecast
+from moelab.parallel import mesh as pmesh
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
@@ -98,13 +99,29 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     ours = config_from_dict(saved["config"], source=str(run.config))
     if cfg is None or saved["hash"] == config_hash(cfg):
         return ours
-    old, new = saved["config"], to_dict(cfg)
+    old, new = saved["config"], json.loads(json.dumps(to_dict(cfg)))  # tuples as the file's lists
     diff = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]]
     if ours.train.replans and set(diff) <= {"train.steps", "train.replans"}:
         return ours  # `moelab replan` changed the horizon: the run follows its new plan
+    if set(diff) <= {"mesh.data", "mesh.expert"}:
+        # a placement, not a change of the run: resume on another mesh, and record it
+        _mesh(cfg)  # refused before the record changes
+        run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
+        run.event("mesh_change", before=old["mesh"], after=new["mesh"])
+        return cfg
     raise RunRefused(
         f"{run.path}: the config differs from the run's ({', '.join(diff) or 'name'}); resume with the same config"
     )
+
+
+def _mesh(cfg: Config):
+    """The (data, expert) mesh when the config asks for more than one device, else None."""
+    if cfg.mesh.data * cfg.mesh.expert == 1:
+        return None
+    try:
+        return pmesh.make_mesh(cfg.mesh, cfg.model.n_routed)
+    except pmesh.MeshError as exc:
+        raise RunRefused(str(exc)) from None
 
 
 def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
@@ -122,6 +139,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
 
     run = RunDir(out)
     cfg = _check_resume(run, cfg, resume)
+    mesh = _mesh(cfg)  # refused before anything is written
     enable_compile_cache()
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     mixture = build_mixture(cfg, store)
@@ -133,6 +151,8 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
     h = optim.hyper(cfg)
     opt = optim.make_optimizer(cfg, h)
     state = init_train_state(cfg, opt)
+    if mesh is not None:  # routed experts split over `expert`, the rest replicated, batches over both
+        state = pmesh.shard_tree(state, mesh)
     start, skip, cursor_ok = 0, set(), False
     # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
     guard = {"consecutive": 0, "restored": False}
@@ -160,6 +180,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
         epochs=mixture.epochs,
     )
     fault = _fault_hook(run)
+    pmesh.set_active(mesh)  # the train step's MoE blocks trace their transports on this mesh
     step_fn = make_train_step(cfg, opt, h)
     evaluator = Evaluator(cfg, store)
     peak = cfg.train.peak_flops or matmul_peak()
@@ -194,7 +215,11 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
 
     def do_eval(done: int) -> dict:
         t0 = time.perf_counter()
-        res = evaluator(state["params"], state["model_state"])
+        pmesh.set_active(None)  # evaluation runs the single-device dispatch on the (sharded) weights
+        try:
+            res = evaluator(state["params"], state["model_state"])
+        finally:
+            pmesh.set_active(mesh)
         rec = {
             "kind": "eval",
             "step": done,
@@ -255,6 +280,8 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
                 after_step(s, None, timing)
                 continue
             batch, rows_domain = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
+            if mesh is not None:
+                batch = pmesh.put_batch(batch, mesh)
             for f in injector.starting(s):
                 run.event("inject", step=s, fault=f.kind, arg=f.arg)
             batch = injector.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
@@ -302,6 +329,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
         run.event("failure", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         raise
     finally:
+        pmesh.set_active(None)
         for t in trackers:
             t.close()
 

@@ -1,0 +1,292 @@
+"""Expert parallelism on 8 simulated CPU devices: every transport equals the single-device model
+with ample capacity, drops equal single-device simulations of the same rule at a tight one, and
+pooled/wave's receiver shares the cut across senders."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab.config import config_from_dict
+from moelab.model import router as rt
+from moelab.model.moe import moe_block
+from moelab.model.transformer import init_params
+from moelab.parallel import mesh as pmesh
+from moelab.parallel.ep import ep_routed_experts, pool_size, slots_per_expert
+
+TRANSPORTS = ["fixed", "spill", "pooled_wave"]
+
+
+@pytest.fixture(autouse=True)
+def _no_mesh_left_behind():
+    yield
+    pmesh.set_active(None)
+
+
+def mesh_of(data, expert):
+    assert jax.device_count() == 8, "conftest sets 8 simulated devices"
+    return pmesh.auto_mesh(data, expert)
+
+
+def layer(**model):
+    base = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, n_routed=16, top_k=2, expert_dim=8, n_shared=1,
+                shared_dim=12, latent_dim=0, vocab_size=32, seq_len=16)  # fmt: skip
+    base.update(model)
+    m = config_from_dict({"model": base, "train": {"batch_size": 4}}).model
+    p = jax.tree.map(lambda a: a[0], init_params(m, jax.random.PRNGKey(0))["layers"])
+    p["router"] = p["router"] * 3.0
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, m.d_model))
+    bias = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (m.n_routed,))
+    return m, p, x, bias
+
+
+def run_block(m, p, x, bias, dispatch, mesh=None):
+    pmesh.set_active(mesh)
+    probe = jax.random.normal(jax.random.PRNGKey(3), x.shape)
+
+    def f(p, x):
+        y, metrics, _ = moe_block(p, x, bias, m, dispatch)
+        return jnp.sum(y * probe), (y, metrics)
+
+    (_, (y, metrics)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(p, x)
+    pmesh.set_active(None)
+    return y, metrics, grads
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "case,shape",
+    [(dict(latent_dim=0, n_shared=0), (1, 8)), (dict(latent_dim=0, n_shared=1), (2, 4)),
+     (dict(latent_dim=8, n_shared=2, router="sigmoid", routed_scale=2.5), (1, 8))],
+    ids=["plain-1x8", "shared-2x4", "latent-shared-sigmoid-1x8"],
+)  # fmt: skip
+def test_ample_capacity_equals_single_device_dropless(transport, case, shape):
+    m, p, x, bias = layer(**case, ep_transport=transport, capacity_factor=16.0)  # C = every token
+    y_ref, _, g_ref = run_block(m, p, x, bias, "dropless")
+    y, metrics, g = run_block(m, p, x, bias, "capacity", mesh_of(*shape))
+    assert float(metrics["dropped_frac"]) == 0.0
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transport,single,cf,e", [("fixed", "capacity", 1.0, 16), ("spill", "spill", 0.5, 8)])
+def test_tight_capacity_drops_equal_the_single_device_rule(transport, single, cf, e):
+    # 64 tokens on 8 devices: the single-device rule with one capacity group per device's 8 tokens
+    m, p, x, bias = layer(n_routed=e, n_shared=0, ep_transport=transport, capacity_factor=cf, capacity_group=8)
+    y_ref, ref, _ = run_block(m, p, x, bias, single)
+    y, ep, _ = run_block(m, p, x, bias, "capacity", mesh_of(1, 8))
+    assert float(ref["dropped_frac"]) > 0.05  # tight enough to drop
+    assert transport == "fixed" or float(ref["spilled_frac"]) > 0.01  # and to spill
+    assert float(ep["dropped_frac"]) == pytest.approx(float(ref["dropped_frac"]), abs=1e-7)
+    assert float(ep["spilled_frac"]) == pytest.approx(float(ref["spilled_frac"]), abs=1e-7)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def pooled_reference(idx: np.ndarray, n_dev: int, n_experts: int, cf: float, waves: int):
+    """Pooled/wave's rule by hand, with loops: idx [devices, t, k] -> (sender drops, receiver drops,
+    kept [devices, t, k])."""
+    d, t, k = idx.shape
+    local = n_experts // n_dev
+    pool = min(math.ceil(cf * t * k / n_dev), t * min(k, local))
+    per_wave = -(-pool // waves)
+    cap = n_dev * min(math.ceil(cf * t * k / n_experts), t)
+    sent = np.zeros(idx.shape, bool)
+    queue = {dest: [[] for _ in range(d)] for dest in range(n_dev)}  # dest -> sender -> assignments in order
+    for s in range(d):
+        count = [0] * n_dev
+        for i in range(t):
+            for j in range(k):
+                dest = idx[s, i, j] // local
+                if count[dest] < pool:
+                    sent[s, i, j] = True
+                    queue[dest][s].append((i, j))
+                count[dest] += 1
+    kept = np.zeros(idx.shape, bool)
+    for dest in range(n_dev):
+        used = [0] * local
+        for row in range(per_wave * waves):  # wave by wave, row by row, then sender by sender
+            for s in range(d):
+                if row < len(queue[dest][s]):
+                    i, j = queue[dest][s][row]
+                    e = idx[s, i, j] % local
+                    if used[e] < cap:
+                        used[e] += 1
+                        kept[s, i, j] = True
+    return int((~sent).sum()), int((sent & ~kept).sum()), kept
+
+
+@pytest.mark.parametrize("cf,waves", [(1.0, 3), (1.25, 1), (0.75, 2)])
+def test_pooled_wave_drops_equal_the_rule_by_hand(cf, waves):
+    m, p, x, bias = layer(n_shared=0, top_k=2, ep_transport="pooled_wave", ep_waves=waves, capacity_factor=cf)
+    xt = x.reshape(-1, m.d_model)
+    r = rt.route(xt @ p["router"], bias, m)
+    w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
+    mesh = mesh_of(1, 8)
+    y, stats = jax.jit(lambda h, r, w: ep_routed_experts(h, r, w, m, mesh))(xt, r, w)
+    idx = np.asarray(r.idx).reshape(8, -1, m.top_k)
+    sender, receiver, kept = pooled_reference(idx, 8, m.n_routed, cf, waves)
+    n = idx.size
+    assert float(stats["sender_dropped_frac"]) * n == pytest.approx(sender)
+    assert float(stats["receiver_dropped_frac"]) * n == pytest.approx(receiver)
+    assert sender + receiver > 0
+    # the output leaves out exactly the dropped assignments
+    ok = jnp.asarray(kept.reshape(-1, m.top_k))
+    from moelab.model.moe import expert_ffn
+
+    def one(h, e, g, keep):
+        ws = jax.tree.map(lambda a: a[e], w)
+        out = expert_ffn(jax.tree.map(lambda a: a[None], ws), h[None, None])[0, 0]
+        return jnp.where(keep, g, 0.0) * out
+
+    want = jax.vmap(lambda h, es, gs, ks: sum(one(h, es[j], gs[j], ks[j]) for j in range(m.top_k)))(
+        xt, r.idx, r.gates, ok
+    )
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def forced_routing(m, dest_expert: np.ndarray):
+    """Routing with token i sent to expert dest_expert[i] (top-1)."""
+    logits = jnp.full((len(dest_expert), m.n_routed), -10.0).at[jnp.arange(len(dest_expert)), dest_expert].set(10.0)
+    return rt.route(logits, jnp.zeros((m.n_routed,)), m)
+
+
+def test_pooled_wave_shares_the_cut_across_senders():
+    # 16 experts on 8 devices (2 each), top-1, 8 tokens per device, CF 2: a pool of 2 rows per
+    # destination, and 8 x ceil(2 * 8 / 16) = 8 slots per expert at the receiver
+    m, p, x, bias = layer(n_shared=0, top_k=1, ep_transport="pooled_wave", ep_waves=1, capacity_factor=2.0,
+                          router="softmax")  # fmt: skip
+    assert pool_size(2.0, 8, 1, 8, 2) == 2 and 8 * slots_per_expert(2.0, 8, 1, 16) == 8
+    w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
+    h = jnp.ones((64, m.d_model))
+    mesh = mesh_of(1, 8)
+
+    def kept_per_sender(dest):
+        y, stats = jax.jit(lambda h, r: ep_routed_experts(h, r, w, m, mesh))(h, forced_routing(m, dest))
+        done = np.abs(np.asarray(y)).sum(axis=1) > 0
+        return done.reshape(8, 8).sum(axis=1), stats
+
+    # every sender sends two tokens to expert 0: 16 rows for its 8 slots; each sender keeps one
+    dest = np.tile(np.array([0, 0, 2, 4, 6, 8, 10, 12]), 8)
+    kept, stats = kept_per_sender(dest)
+    assert list(kept) == [7] * 8  # 6 elsewhere + 1 of the 2 for expert 0, for every sender alike
+    assert float(stats["receiver_dropped_frac"]) * 64 == 8
+    # one sender overloaded (two rows for expert 0, the others one): the cut lands on it, not on the last
+    dest = np.tile(np.array([0, 2, 4, 6, 8, 10, 12, 14]), 8)
+    dest[1] = 0
+    kept, stats = kept_per_sender(dest)
+    assert float(stats["receiver_dropped_frac"]) * 64 == 1
+    assert list(kept) == [7] + [8] * 7
+
+
+# ------------------------------------------------------------------ training with EP from the CLI
+
+from conftest import MICRO, ROOT  # noqa: E402
+
+
+def _train(corpus, out, *extra, env=None):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "moelab", "train", "tiny", "--out", str(out), "--steps", "20", "--quiet",
+           "--data", corpus["code"], "--data", corpus["prose"]]  # fmt: skip
+    for o in MICRO + ["train.batch_size=8", "model.capacity_factor=4.0", "train.checkpoint_every=10"]:
+        cmd += ["--set", o]
+    cmd += list(extra)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def _losses(out):
+    from moelab.train.record import read_jsonl
+
+    return np.array([r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"])
+
+
+@pytest.fixture(scope="module")
+def single_device_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep") / "single"
+    res = _train(corpus, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_ep_training_equals_single_device(corpus, single_device_run, tmp_path):
+    out = tmp_path / "ep"
+    res = _train(corpus, out, "--devices", "8", "--set", "mesh.expert=8")
+    assert res.returncode == 0, res.stderr[-3000:]
+    ep, ref = _losses(out), _losses(single_device_run)
+    assert len(ep) == len(ref) == 20
+    np.testing.assert_allclose(ep, ref, rtol=0, atol=1e-4)
+    assert ep[-1] < ep[0] - 0.2  # and it trains
+
+
+@pytest.mark.parametrize("saved,restored", [((2, 4), None), (None, (1, 8))], ids=["8to1", "1to8"])
+def test_a_checkpoint_restores_under_another_mesh(tmp_path, saved, restored):
+    from moelab.config import load_config
+    from moelab.train import checkpoint, optim
+    from moelab.train.step import init_train_state
+
+    cfg = load_config("tiny", MICRO + ["train.batch_size=8", "train.seed=3"])
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+
+    def state_on(shape, seed):
+        state = init_train_state(load_config(cfg, [f"train.seed={seed}"]), opt)
+        return state if shape is None else pmesh.shard_tree(state, pmesh.auto_mesh(*shape))
+
+    state = state_on(saved, 3)
+    checkpoint.save(tmp_path / "ckpt", 10, state, {"step": 10}, keep_last=1, keep_every=0)
+    template = state_on(restored, 4)  # another seed: nothing but shapes may come from the template
+    back, meta = checkpoint.restore(tmp_path / "ckpt", 10, template)
+    assert meta["step"] == 10
+    for a, b, t in zip(jax.tree.leaves(state), jax.tree.leaves(back), jax.tree.leaves(template), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(t.sharding, b.ndim)  # placed as the new mesh wants
+    w = back["params"]["layers"]["w_gate"]
+    assert len(w.sharding.device_set) == (1 if restored is None else 8)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_meshes(corpus, single_device_run, tmp_path):
+    ref = _losses(single_device_run)
+    # saved on 8 devices (2 x 4), resumed on 1
+    out = tmp_path / "8to1"
+    res = _train(corpus, out, "--set", "mesh.data=2", "--set", "mesh.expert=4", env={"MOELAB_TEST_FAULTS": "kill@15"})
+    assert res.returncode == -9
+    res = _train(corpus, out, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    np.testing.assert_allclose(_losses(out), ref, rtol=0, atol=1e-4)
+    # saved on 1, resumed on 8 (1 x 8)
+    out = tmp_path / "1to8"
+    res = _train(corpus, out, env={"MOELAB_TEST_FAULTS": "kill@15"})
+    assert res.returncode == -9
+    res = _train(corpus, out, "--resume", "--set", "mesh.expert=8")
+    assert res.returncode == 0, res.stderr[-3000:]
+    np.testing.assert_allclose(_losses(out), ref, rtol=0, atol=1e-4)
+    from moelab.train.record import read_jsonl
+
+    assert any(e["event"] == "mesh_change" for e in read_jsonl(out / "events.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "sets,devices,why",
+    [
+        (
+            ["model.n_routed=8", "mesh.expert=3", "train.batch_size=6"],
+            None,
+            "mesh.expert: 3 does not divide model.n_routed",
+        ),
+        (["mesh.expert=4"], None, "there are 8 devices"),
+        (["mesh.expert=8", "train.batch_size=4"], None, "train.batch_size: 4 sequences do not split"),
+    ],
+)
+def test_bad_meshes_are_refused_with_one_line(corpus, tmp_path, sets, devices, why):
+    extra = [a for s in sets for a in ("--set", s)]
+    res = _train(corpus, tmp_path / "bad", *extra)
+    assert res.returncode == 2 and why in res.stderr and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
