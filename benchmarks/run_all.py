@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["moe_dispatch.py", "fault_detection.py"]
+SCRIPTS = ["moe_dispatch.py", "fault_detection.py", "drops_vs_context.py"]
 
 if __name__ == "__main__":
     failed = []

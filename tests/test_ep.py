@@ -57,12 +57,16 @@ def run_block(m, p, x, bias, dispatch, mesh=None):
     return y, metrics, grads
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+LATENT = dict(latent_dim=8, n_shared=2, router="sigmoid", routed_scale=2.5)
+
+
 @pytest.mark.parametrize(
-    "case,shape",
-    [(dict(latent_dim=0, n_shared=0), (1, 8)), (dict(latent_dim=0, n_shared=1), (2, 4)),
-     (dict(latent_dim=8, n_shared=2, router="sigmoid", routed_scale=2.5), (1, 8))],
-    ids=["plain-1x8", "shared-2x4", "latent-shared-sigmoid-1x8"],
+    "transport,case,shape",
+    [("fixed", dict(latent_dim=0, n_shared=0), (1, 8)), ("fixed", dict(latent_dim=0, n_shared=1), (2, 4)),
+     ("fixed", LATENT, (1, 8)), ("spill", LATENT, (2, 4)), ("pooled_wave", LATENT, (1, 8)),
+     ("pooled_wave", dict(latent_dim=0, n_shared=1), (2, 4))],
+    ids=["fixed-plain-1x8", "fixed-shared-2x4", "fixed-latent-shared-1x8", "spill-latent-shared-2x4",
+         "pooled-latent-shared-1x8", "pooled-shared-2x4"],
 )  # fmt: skip
 def test_ample_capacity_equals_single_device_dropless(transport, case, shape):
     m, p, x, bias = layer(**case, ep_transport=transport, capacity_factor=16.0)  # C = every token
@@ -215,11 +219,16 @@ def single_device_run(corpus, tmp_path_factory):
     return out
 
 
-def test_ep_training_equals_single_device(corpus, single_device_run, tmp_path):
-    out = tmp_path / "ep"
+@pytest.fixture(scope="module")
+def ep_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep") / "ep8"
     res = _train(corpus, out, "--devices", "8", "--set", "mesh.expert=8")
     assert res.returncode == 0, res.stderr[-3000:]
-    ep, ref = _losses(out), _losses(single_device_run)
+    return out
+
+
+def test_ep_training_equals_single_device(single_device_run, ep_run):
+    ep, ref = _losses(ep_run), _losses(single_device_run)
     assert len(ep) == len(ref) == 20
     np.testing.assert_allclose(ep, ref, rtol=0, atol=1e-4)
     assert ep[-1] < ep[0] - 0.2  # and it trains
@@ -290,3 +299,36 @@ def test_bad_meshes_are_refused_with_one_line(corpus, tmp_path, sets, devices, w
     res = _train(corpus, tmp_path / "bad", *extra)
     assert res.returncode == 2 and why in res.stderr and res.stderr.count("\n") == 1, res.stderr[-2000:]
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_equal_one_process_of_eight(corpus, ep_run, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:  # a free port for the coordinator
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "job"
+    cmd = [sys.executable, "-m", "moelab", "train", "tiny", "--out", str(out), "--steps", "20", "--quiet",
+           "--data", corpus["code"], "--data", corpus["prose"], "--devices", "4", "--set", "mesh.expert=8",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]  # fmt: skip
+    for o in MICRO + ["train.batch_size=8", "model.capacity_factor=4.0", "train.checkpoint_every=10"]:
+        cmd += ["--set", o]
+    procs = [
+        subprocess.Popen(
+            cmd + ["--process-id", str(i)],
+            cwd=ROOT,
+            env=dict(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    np.testing.assert_allclose(_losses(out), _losses(ep_run), rtol=0, atol=1e-5)
+    assert (out / "ckpt" / "step_00000020").exists() and (out / ".process-1").is_dir()  # one writer

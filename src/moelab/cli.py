@@ -162,6 +162,28 @@ def print_summary(summary: dict) -> None:
         )
 
 
+def _join_job(args: argparse.Namespace) -> None:
+    """Join a multi-process job through ``jax.distributed`` (flags, or MOELAB_COORDINATOR,
+    MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID)."""
+    import os
+
+    coordinator = args.coordinator or os.environ.get("MOELAB_COORDINATOR")
+    if not coordinator:
+        return
+    try:
+        n = int(args.num_processes or os.environ.get("MOELAB_NUM_PROCESSES", ""))
+        pid = int(args.process_id if args.process_id is not None else os.environ.get("MOELAB_PROCESS_ID", ""))
+    except ValueError:
+        raise UsageError("--num-processes and --process-id: give both (or MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID) "
+                         "with --coordinator") from None  # fmt: skip
+    if not 0 <= pid < n:
+        raise UsageError(f"--process-id: {pid} is not in [0, {n})")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices talk over gloo; GPUs ignore it
+    jax.distributed.initialize(coordinator, n, pid)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.devices:
         from moelab.parallel.mesh import MeshError, request_devices
@@ -173,6 +195,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         except MeshError as exc:
             raise UsageError(str(exc)) from None
     cfg = _train_config(args)  # refuse a bad config before anything starts
+    _join_job(args)
     if args.max_restarts:
         from moelab.train.supervise import supervise
 
@@ -522,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process job: its coordinator address")
+    p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1 (0 writes the records)")
     p.add_argument(
         "--devices",
         type=int,

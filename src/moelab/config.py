@@ -564,7 +564,12 @@ def _check_mesh(cfg: Config) -> list[str]:
             f"(train.batch_size x model.seq_len); use a divisor such as model.seq_len"
         )
     shards = cfg.mesh.data * cfg.mesh.expert
-    if shards > 0 and cfg.train.batch_size > 0 and cfg.train.batch_size % shards:
+    mesh_ok = (
+        cfg.mesh.expert > 0
+        and cfg.mesh.data > 0
+        and not (cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert)
+    )
+    if mesh_ok and cfg.train.batch_size > 0 and cfg.train.batch_size % shards:
         e.append(
             f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
             f"{shards} devices; use a multiple of {shards}"

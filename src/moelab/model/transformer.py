@@ -86,8 +86,13 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
 
-def forward(params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None):
-    """tokens: [b, s] int -> (hidden [b, s, d] after the final norm, per-layer metrics, new state)."""
+def forward(
+    params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None, capture: bool = False
+):
+    """tokens: [b, s] int -> (hidden [b, s, d] after the final norm, per-layer metrics, new state).
+
+    ``capture``: the metrics also hold each MoE block's input (``moe_input``, [layers, b, s, d]),
+    for studies that replay the routing (benchmarks/drops_vs_context.py)."""
     dispatch = dispatch or m.dispatch
     dtype = jnp.dtype(m.compute_dtype)
     if dtype != jnp.float32:
@@ -112,6 +117,8 @@ def forward(params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispat
         )
         h = rms_norm(x, p["mlp_norm"], m.norm_eps)
         y, metrics, bias = moe_block(p, h, state["router_bias"][i], m, dispatch)
+        if capture:
+            metrics = dict(metrics, moe_input=h)
         x = x + y
         layer_metrics.append(metrics)
         new_bias.append(bias)

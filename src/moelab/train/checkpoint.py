@@ -37,22 +37,36 @@ def steps(root: Path) -> list[int]:
 def save(root: Path, step: int, state, meta: dict, keep_last: int, keep_every: int, fault_hook=None) -> Path:
     import orbax.checkpoint as ocp
 
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)
+    primary = jax.process_index() == 0  # in a multi-process job every process saves its shards
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
+    if primary:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _sync(f"ckpt-start-{step}")
     ckptr = ocp.StandardCheckpointer()
     ckptr.save((partial / "state").absolute(), state)
     ckptr.wait_until_finished()
+    _sync(f"ckpt-written-{step}")
     if fault_hook is not None:
         fault_hook("in_save", step)  # tests kill the process here: arrays written, not yet complete
-    (partial / "meta.json").write_text(json.dumps(meta, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(partial, final)
-    _prune(root, keep_last, keep_every)
+    if primary:
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _prune(root, keep_last, keep_every)
+    _sync(f"ckpt-done-{step}")
     return final
+
+
+def _sync(name: str) -> None:
+    """A barrier across the processes of a multi-process job (nothing in a single process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _prune(root: Path, keep_last: int, keep_every: int) -> None:

@@ -138,6 +138,9 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
     from tqdm import tqdm
 
     run = RunDir(out)
+    if jax.process_index() > 0:  # one writer: the others keep their records apart and share ckpt/
+        run = RunDir(Path(out) / f".process-{jax.process_index()}")
+        run.ckpt = Path(out) / "ckpt"
     cfg = _check_resume(run, cfg, resume)
     mesh = _mesh(cfg)  # refused before anything is written
     enable_compile_cache()
@@ -242,7 +245,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
             "time": time.time(),
         }
         path = checkpoint.save(run.ckpt, done, state, meta, cfg.train.keep_last, cfg.train.keep_every, fault)
-        run.event("checkpoint", step=done, path=str(path.relative_to(run.path)))
+        run.event("checkpoint", step=done, path=f"ckpt/{path.name}")
 
     def after_step(done: int, metrics, timing: list) -> None:
         """Log (when the step ran), evaluate and checkpoint after step ``done``."""
