@@ -293,12 +293,12 @@ def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
     cfg = load_config(
         "tiny",
         [
-            "train.steps=200",
+            "train.steps=120",
             "train.batch_size=8",
-            "train.eval_every=200",
+            "train.eval_every=120",
             "train.eval_tokens=2048",
             "data.max_bytes_per_domain=400000",
-            "train.checkpoint_every=200",
+            "train.checkpoint_every=120",
         ],
     )
     summary = train(cfg, tmp_path / "run", progress=False)

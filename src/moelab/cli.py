@@ -508,6 +508,21 @@ def cmd_replan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_train_step(args: argparse.Namespace) -> int:
+    from moelab.bench import SHAPE_FLAGS, bench_train_step, print_result, shape_config
+
+    for name in ("steps", "warmup"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            raise UsageError(f"--{name}: must be >= {1 if name == 'steps' else 0}, got {getattr(args, name)}")
+    cfg = shape_config(**{k: getattr(args, k) for k in SHAPE_FLAGS})
+    result = bench_train_step(cfg, steps=args.steps, warmup=args.warmup)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_result(result)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moelab.demo import run_demo
 
@@ -676,6 +691,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", nargs="+", metavar="DIR", help="rung runs to re-forecast from (default: the forecast's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_replan)
+
+    bench = sub.add_parser("bench", help="measure: the train step's throughput, compile time, memory, MFU")
+    bench = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("train-step", help="time the train step of a model shape (tiny-softmax recipe)")
+    from moelab.bench import SHAPE_FLAGS
+
+    for name, (field, kind, default) in SHAPE_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"{field} (default {default})")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one (default 2)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the summary")
+    p.set_defaults(func=cmd_bench_train_step)
 
     p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
     p.add_argument("--experiment", help="an experiment file (default: experiments/exp4_tiny_stdlib.py)")

@@ -1,0 +1,162 @@
+"""moelab's train step against Hugging Face transformers' Qwen2-MoE on PyTorch, same shapes, same run.
+
+Both train with AdamW (lr 1e-3, weight decay 0.1, gradient clipping at 1.0) on random tokens, in
+this one process with the same thread count, alternating: a round of moelab steps, then a round
+of PyTorch steps, several times; the median step time of each gives tokens/s and the ratio.
+
+The models differ in small ways, stated in the output: Qwen2-MoE gates its shared expert with a
+sigmoid of a learned projection and has biases on q, k and v; its loss covers seq - 1 positions
+of each sequence (it shifts the labels itself) where moelab's covers seq; moelab's router keeps a
+balancing bias (a few scalars). Shapes A and B are the issue's reference shapes.
+
+Needs the benchmark extra: pip install -e '.[bench]' (torch, transformers). Writes
+benchmarks/results/vs_transformers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+SHAPES = {
+    "A": dict(d_model=256, layers=4, heads=8, kv_heads=8, experts=16, top_k=4, expert_dim=128, shared=1,
+              shared_dim=256, seq=256, batch=8, vocab=4096),
+    "B": dict(d_model=512, layers=8, heads=8, kv_heads=8, experts=32, top_k=4, expert_dim=256, shared=1,
+              shared_dim=512, seq=512, batch=8, vocab=8192),
+}  # fmt: skip
+DIFFERENCES = (
+    "Qwen2-MoE gates its shared expert (sigmoid of a learned projection) and has q/k/v biases; "
+    "its loss covers seq - 1 positions per sequence; moelab's router carries a balancing bias"
+)
+
+
+def torch_stepper(shape: dict, threads: int, seed: int = 0):
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["d_model"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        moe_intermediate_size=shape["expert_dim"], shared_expert_intermediate_size=shape["shared_dim"],
+        intermediate_size=shape["shared_dim"], num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=shape["seq"],
+        output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    model = Qwen2MoeForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    rng = np.random.default_rng(seed)
+    batches = [torch.from_numpy(rng.integers(0, shape["vocab"], (shape["batch"], shape["seq"]))) for _ in range(4)]
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def step(i: int) -> float:
+        x = batches[i % 4]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step, n_params
+
+
+def jax_stepper(shape: dict, seed: int = 0):
+    import jax
+
+    from moelab.bench import shape_config
+    from moelab.train import optim
+    from moelab.train.step import init_train_state, make_train_step
+
+    cfg = shape_config(**shape)
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    holder = {"state": init_train_state(cfg, opt)}
+    fn = make_train_step(cfg, opt, h)
+    rng = np.random.default_rng(seed)
+    batches = [rng.integers(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), dtype=np.int32) for _ in range(4)]
+
+    def step(i: int) -> float:
+        holder["state"], metrics = fn(holder["state"], batches[i % 4], np.int32(i), np.bool_(False))
+        return float(jax.block_until_ready(metrics["loss"]))
+
+    return step, cfg
+
+
+def timed(step, start: int, n: int) -> list[float]:
+    out = []
+    for i in range(start, start + n):
+        t0 = time.perf_counter()
+        step(i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="A,B")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round and framework")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("vs_transformers: needs the benchmark extra: pip install -e '.[bench]'") from None
+    import jax
+
+    from moelab import accounting
+    from moelab.train.record import matmul_peak
+
+    results = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "threads": args.threads, "jax": jax.__version__, "torch": torch.__version__,
+               "transformers": transformers.__version__, "differences": DIFFERENCES, "shapes": {}}  # fmt: skip
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        t0 = time.perf_counter()
+        jstep, cfg = jax_stepper(shape)
+        jstep(0)  # compiles
+        j_compile = time.perf_counter() - t0
+        tstep, t_params = torch_stepper(shape, args.threads)
+        jstep(1), tstep(0), tstep(1)  # warm-up
+        jt, tt = [], []
+        for r in range(args.rounds):  # alternate, so both see the same machine
+            jt += timed(jstep, 2 + r * args.steps, args.steps)
+            tt += timed(tstep, 2 + r * args.steps, args.steps)
+        tokens = shape["batch"] * shape["seq"]
+        count = accounting.count(cfg)
+        flops = 3 * count.forward_flops_per_token
+        peak = matmul_peak()
+        j_tps, t_tps = tokens / float(np.median(jt)), tokens / float(np.median(tt))
+        res = {
+            "shape": shape, "moelab_params": count.total_params, "transformers_params": t_params,
+            "moelab_tokens_per_s": j_tps, "transformers_tokens_per_s": t_tps, "ratio": j_tps / t_tps,
+            "moelab_step_s": float(np.median(jt)), "transformers_step_s": float(np.median(tt)),
+            "moelab_compile_s": j_compile, "model_flops_per_token": flops, "matmul_peak_flops_per_s": peak,
+            "moelab_mfu": j_tps * flops / peak, "transformers_mfu": t_tps * flops / peak,
+        }  # fmt: skip
+        results["shapes"][name] = res
+        print(
+            f"shape {name}: moelab {j_tps:,.0f} tokens/s (MFU {res['moelab_mfu']:.1%}), transformers "
+            f"{t_tps:,.0f} tokens/s (MFU {res['transformers_mfu']:.1%}): {res['ratio']:.2f}x; "
+            f"params {count.total_params:,} vs {t_params:,}; moelab compile {j_compile:.1f} s",
+            flush=True,
+        )
+    print(f"differences: {DIFFERENCES}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "vs_transformers.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
