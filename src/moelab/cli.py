@@ -349,41 +349,27 @@ def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from moelab.ladder.health import check_records, ladder_from_forecast, ladder_trajectories
-    from moelab.train import optim
+    from moelab.ladder.health import check_run, ladder_trajectories
     from moelab.train.loop import load_run_config
-    from moelab.train.record import RunDir, read_jsonl
 
-    run = RunDir(args.run_dir)
-    cfg = load_run_config(run.path)
-    h = optim.hyper(cfg)
-    forecast_path = Path(args.forecast) if args.forecast else run.path / "forecast.json"
+    run = Path(args.run_dir)
+    load_run_config(run)  # refuses a directory that is not a run
+    forecast_path = Path(args.forecast) if args.forecast else run / "forecast.json"
     if args.forecast and not forecast_path.is_file():
         raise UsageError(f"{forecast_path}: no such forecast file")
     forecast = json.loads(forecast_path.read_text()) if forecast_path.is_file() else None
+    ladder = None
     if args.ladder:
         try:
             ladder = ladder_trajectories(args.ladder)
         except ValueError as exc:
             raise UsageError(f"--ladder: {exc}") from None
-    else:
-        ladder = ladder_from_forecast(forecast)
-    mon = check_records(
-        read_jsonl(run.metrics),
-        lambda s: h.peak_lr * float(optim.lr_factor(s, h)),
-        forecast,
-        ladder=ladder,
-        steps=cfg.train.steps,
-    )
-    rows = []
-    for check, level in sorted(mon.state.items()):
-        last = mon.latest[check]
-        first_alert = next((f.step for f in mon.findings if f.check == check and f.level == "ALERT"), None)
-        rows.append({"check": check, "level": level, "evidence": last.evidence, "first_alert": first_alert})
+    _, checks = check_run(run, forecast, ladder)
+    rows = [{"check": name, **{k: c[k] for k in ("level", "evidence", "first_alert")}} for name, c in checks.items()]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{run.path}: health")
+    print(f"{run}: health")
     for r in rows:
         alert = f" (first ALERT at step {r['first_alert']})" if r["first_alert"] is not None else ""
         print(f"  {r['level']:<6} {r['check']:<20} {r['evidence']}{alert}")

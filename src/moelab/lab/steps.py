@@ -136,29 +136,13 @@ def _health(cfg: dict, out: Path) -> dict:
 
     import numpy as np
 
-    from moelab.ladder.health import check_records, ladder_from_forecast
-    from moelab.train import optim
-    from moelab.train.loop import load_run_config
+    from moelab.ladder.health import check_run
     from moelab.train.record import read_jsonl
 
     run = Path(cfg["run"])
-    rcfg = load_run_config(run)
-    h = optim.hyper(rcfg)
     fc = json.loads((run / "forecast.json").read_text()) if (run / "forecast.json").exists() else None
     recs = read_jsonl(run / "metrics.jsonl")
-    mon = check_records(
-        recs,
-        lambda s: h.peak_lr * float(optim.lr_factor(s, h)),
-        fc,
-        ladder=ladder_from_forecast(fc),
-        steps=rcfg.train.steps,
-    )
-    checks = {}
-    for check, level in sorted(mon.state.items()):
-        found = [f for f in mon.findings if f.check == check]
-        alert = next((f.step for f in found if f.level == "ALERT"), None)
-        now = mon.latest[check]
-        checks[check] = {"level": level, "step": now.step, "evidence": now.evidence, "first_alert": alert}
+    mon, checks = check_run(run, fc)
     result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks}
     if fc:
         actual = {r["step"]: r["loss_dropless"]["macro"] for r in recs if r.get("kind") == "eval"}

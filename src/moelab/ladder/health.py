@@ -289,3 +289,31 @@ def check_records(
     for rec in records:
         mon.update(rec)
     return mon
+
+
+def check_run(run_dir, forecast: dict | None = None, ladder=None) -> tuple[HealthMonitor, dict]:
+    """The monitor over a run directory's records (its learning-rate schedule, the forecast and
+    ladder given, or the rungs the forecast names), and each check's summary: level, newest
+    step and evidence, first ALERT."""
+    from pathlib import Path
+
+    from moelab.train import optim
+    from moelab.train.loop import load_run_config
+    from moelab.train.record import read_jsonl
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    h = optim.hyper(cfg)
+    mon = check_records(
+        read_jsonl(run_dir / "metrics.jsonl"),
+        lambda s: h.peak_lr * float(optim.lr_factor(s, h)),
+        forecast,
+        ladder=ladder if ladder is not None else ladder_from_forecast(forecast),
+        steps=cfg.train.steps,
+    )
+    checks = {}
+    for check, level in sorted(mon.state.items()):
+        now = mon.latest[check]
+        alert = next((f.step for f in mon.findings if f.check == check and f.level == "ALERT"), None)
+        checks[check] = {"level": level, "step": now.step, "evidence": now.evidence, "first_alert": alert}
+    return mon, checks
