@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# glibc's heap on transparent huge pages: XLA:CPU's per-step buffers then fault in 2 MiB at a time
+# (src/moelab/_alloc.py; the moelab command sets this itself)
+HUGEPAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # the default run skips what is marked slow; -n is not used: 2 cores, JAX already uses both
-PYTEST := $(PY) -m pytest -q
+PYTEST := $(HUGEPAGES) $(PY) -m pytest -q
 
 .PHONY: demo test test-all lint format bench clean
 
@@ -34,7 +37,7 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests benchmarks
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(HUGEPAGES) $(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -10,7 +10,9 @@ import pytest
 from moelab.config import config_from_dict
 from moelab.model import router as rt
 from moelab.model.moe import (
+    block_plan,
     dropless_blocks,
+    dropless_loop,
     dropless_ragged,
     moe_block,
     place_capacity,
@@ -266,9 +268,13 @@ def test_router_metrics_hand_case():
     assert float(peaked) == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_block_dropless_equals_ragged_dot_path(skew):
-    """The CPU fast path against the ragged_dot reference, with empty and crowded experts."""
+@pytest.mark.parametrize("fast", [dropless_blocks, dropless_loop])
+@pytest.mark.parametrize("skew", [0.0, 3.0, 50.0])
+def test_block_dropless_equals_ragged_dot_path(skew, fast):
+    """The CPU fast paths against the ragged_dot reference, with empty and crowded experts.
+
+    skew 50 sends every token to the same k experts: most blocks are padding, which the loop skips.
+    """
     key = jax.random.split(jax.random.PRNGKey(7), 6)
     t, k, e, din, f = 50, 3, 8, 12, 10
     h = jax.random.normal(key[0], (t, din))
@@ -280,8 +286,39 @@ def test_block_dropless_equals_ragged_dot_path(skew):
         "w_up": jax.random.normal(key[4], (e, din, f)) / 4,
         "w_down": jax.random.normal(key[5], (e, f, din)) / 4,
     }
-    np.testing.assert_allclose(dropless_blocks(h, idx, gates, w), dropless_ragged(h, idx, gates, w), atol=1e-5)
+    np.testing.assert_allclose(fast(h, idx, gates, w), dropless_ragged(h, idx, gates, w), atol=1e-5)
     grad = lambda fn: jax.grad(lambda h, g, w: jnp.sum(fn(h, idx, g, w) ** 2), argnums=(0, 1, 2))(h, gates, w)  # noqa: E731
-    fast, ref = grad(dropless_blocks), grad(dropless_ragged)
-    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
+    for a, b in zip(jax.tree.leaves(grad(fast)), jax.tree.leaves(grad(dropless_ragged)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_block_plan_hand_case():
+    """4 tokens top-1 over 3 experts in blocks of 2: expert 0 has 3 rows (2 blocks), 1 none, 2 one."""
+    idx = jnp.array([[2], [0], [0], [0]])
+    plan = block_plan(idx, 3, 2)
+    # bound: 4/2 + 3 = 5 blocks; used: 2 for expert 0, 1 for expert 2
+    assert plan.src.shape == (5, 2) and int(plan.n_used) == 3
+    np.testing.assert_array_equal(plan.src, [[1, 2], [3, 4], [0, 4], [4, 4], [4, 4]])  # 4 = padding
+    np.testing.assert_array_equal(plan.block_expert[:3], [0, 0, 2])
+    np.testing.assert_array_equal(plan.row, [4, 0, 1, 2])
+
+
+def test_loop_dropless_in_bf16_tracks_fp32():
+    """The loop path in bf16: forward and gradients within bf16 rounding of the fp32 ones."""
+    key = jax.random.split(jax.random.PRNGKey(3), 6)
+    t, k, e, din, f = 64, 2, 4, 16, 8
+    h = jax.random.normal(key[0], (t, din))
+    idx = jax.lax.top_k(jax.random.normal(key[1], (t, e)), k)[1]
+    gates = jax.nn.softmax(jax.random.normal(key[2], (t, k)))
+    shapes = {"w_gate": (e, din, f), "w_up": (e, din, f), "w_down": (e, f, din)}
+    w = {n: jax.random.normal(kk, s) / 4 for (n, s), kk in zip(shapes.items(), key[3:], strict=True)}
+
+    def run(h, w):
+        loss = lambda h, w: jnp.sum(dropless_loop(h, idx, gates, w).astype(jnp.float32) ** 2)  # noqa: E731
+        return dropless_loop(h, idx, gates, w), jax.grad(loss, argnums=(0, 1))(h, w)
+
+    low = run(*jax.tree.map(lambda a: a.astype(jnp.bfloat16), (h, w)))
+    high = run(h, w)
+    for a, b in zip(jax.tree.leaves(low), jax.tree.leaves(high), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.02 * float(jnp.max(jnp.abs(b))))

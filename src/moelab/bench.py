@@ -57,6 +57,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     import jax
 
     from moelab import accounting
+    from moelab._alloc import hugepages_on
     from moelab.train import optim
     from moelab.train.record import matmul_peak
     from moelab.train.step import init_train_state, make_train_step
@@ -111,6 +112,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
         "mfu": tps * flops_per_token / peak,
         "final_loss": float(metrics["loss"]),
         "backend": jax.default_backend(),
+        "hugepages": hugepages_on(),
         "devices": jax.device_count(),
     }
 
@@ -146,5 +148,5 @@ def print_result(r: dict) -> None:
     )
     print(
         f"  MFU {r['mfu']:.1%} of the measured fp32 matmul peak ({r['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-        f"{r['backend']}, {r['devices']} device(s))"
+        f"{r['backend']}, {r['devices']} device(s){', huge pages' if r.get('hugepages') else ''})"
     )

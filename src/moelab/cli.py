@@ -699,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command itself (not a call from Python): restart with huge pages (moelab/_alloc.py)
+        from moelab._alloc import restart_with_hugepages
+
+        restart_with_hugepages(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

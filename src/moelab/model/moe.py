@@ -58,16 +58,19 @@ def block_size(n_assignments: int, n_experts: int) -> int:
     return max(8, -(-n_assignments // (4 * n_experts) // 8) * 8)
 
 
-def dropless_blocks(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
-    """Every assignment computed, in blocks: each expert's rows padded to whole blocks of one expert.
+class BlockPlan(NamedTuple):
+    """Assignments sorted by expert, each expert's rows padded to whole blocks of one expert."""
 
-    The same result as ``dropless_ragged`` with only batched matmuls, which XLA:CPU runs far
-    faster than ``ragged_dot``. The number of blocks has a static bound: t*k/B + E.
-    """
+    row: jax.Array  # [t*k] each assignment's row in the padded layout
+    src: jax.Array  # [n_blocks, bsz] the token that fills each row (t = the zero row for padding)
+    block_expert: jax.Array  # [n_blocks] the expert of each block
+    n_used: jax.Array  # [] blocks that hold any assignment (the rest are all padding)
+
+
+def block_plan(idx: jax.Array, n_experts: int, bsz: int) -> BlockPlan:
+    """The blocked layout of ``idx`` [t, k]. The number of blocks has a static bound: t*k/bsz + E."""
     t, k = idx.shape
-    n_experts = w["w_gate"].shape[0]
     n = t * k
-    bsz = block_size(n, n_experts)
     n_blocks = -(-n // bsz) + n_experts
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -77,25 +80,121 @@ def dropless_blocks(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> 
     padded_starts = jnp.cumsum(padded) - padded
     expert_sorted = flat[order]
     row_sorted = padded_starts[expert_sorted] + jnp.arange(n) - starts[expert_sorted]
-    row = jnp.zeros_like(row_sorted).at[order].set(row_sorted)  # each assignment's row
-    # which token fills each row (t = the zero row for padding); a scatter of ints only
+    row = jnp.zeros_like(row_sorted).at[order].set(row_sorted)
+    # which token fills each row; a scatter of ints only
     src = jnp.full((n_blocks * bsz,), t, jnp.int32).at[row].set(jnp.arange(n, dtype=jnp.int32) // k)
     block_expert = jnp.clip(
         jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * bsz, side="right"), 0, n_experts - 1
     )
-    h_pad = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
-    xs = h_pad[src].reshape(n_blocks, bsz, -1)
-    gate = jnp.einsum("nbd,ndf->nbf", xs, w["w_gate"][block_expert])
-    up = jnp.einsum("nbd,ndf->nbf", xs, w["w_up"][block_expert])
-    out = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(gate) * up, w["w_down"][block_expert]).reshape(n_blocks * bsz, -1)
-    per = out[row].reshape(t, k, -1)
+    n_used = (jnp.sum(padded) // bsz).astype(jnp.int32)
+    return BlockPlan(row, src.reshape(n_blocks, bsz), block_expert.astype(jnp.int32), n_used)
+
+
+def _combine(out_rows: jax.Array, row: jax.Array, gates: jax.Array) -> jax.Array:
+    """Each token's gate-weighted sum of its k assignments' rows. out_rows: [rows, din]."""
+    t, k = gates.shape
+    per = out_rows[row].reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", per, gates.astype(per.dtype))
+
+
+def dropless_blocks(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed as one batched matmul over all blocks, each with its expert's weights.
+
+    The same result as ``dropless_ragged`` with only batched matmuls. It computes every block the
+    static bound allows (padding blocks too) and gathers a weight copy per block; ``dropless_loop``
+    avoids both and is the CPU path. Kept as a second, loop-free reference.
+    """
+    t, k = idx.shape
+    n_experts = w["w_gate"].shape[0]
+    plan = block_plan(idx, n_experts, block_size(t * k, n_experts))
+    h_pad = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
+    xs = h_pad[plan.src]
+    be = plan.block_expert
+    gate = jnp.einsum("nbd,ndf->nbf", xs, w["w_gate"][be])
+    up = jnp.einsum("nbd,ndf->nbf", xs, w["w_up"][be])
+    out = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(gate) * up, w["w_down"][be])
+    return _combine(out.reshape(-1, out.shape[-1]), plan.row, gates)
+
+
+@jax.custom_vjp
+def _ffn_loop(h_pad, src, block_expert, n_used, w_gu, w_down):
+    return _ffn_loop_fwd(h_pad, src, block_expert, n_used, w_gu, w_down)[0]
+
+
+def _ffn_loop_fwd(h_pad, src, block_expert, n_used, w_gu, w_down):
+    """A loop over the used blocks only: gather the block's tokens, SwiGLU with its expert's weights."""
+    n_blocks, bsz = src.shape
+    f = w_down.shape[1]
+
+    def body(i, carry):
+        out, gu_all = carry
+        e = block_expert[i]
+        gu = h_pad[src[i]] @ w_gu[e]  # [bsz, 2f]: gate and up in one matmul
+        act = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+        return out.at[i].set(act @ w_down[e]), gu_all.at[i].set(gu)
+
+    init = (
+        jnp.zeros((n_blocks, bsz, w_down.shape[2]), h_pad.dtype),
+        jnp.zeros((n_blocks, bsz, 2 * f), h_pad.dtype),
+    )
+    out, gu_all = jax.lax.fori_loop(0, n_used, body, init)
+    return out, (h_pad, src, block_expert, n_used, w_gu, w_down, gu_all)
+
+
+def _ffn_loop_bwd(res, g):
+    """The same loop backwards; weight gradients accumulate per expert in fp32."""
+    h_pad, src, block_expert, n_used, w_gu, w_down, gu_all = res
+    f = w_down.shape[1]
+
+    def body(i, carry):
+        dh, dw_gu, dw_down = carry
+        e = block_expert[i]
+        rows = h_pad[src[i]]
+        gu = gu_all[i].astype(jnp.float32)
+        gate, up = gu[:, :f], gu[:, f:]
+        sig = jax.nn.sigmoid(gate)
+        silu = gate * sig
+        dout = g[i]
+        dw_down = dw_down.at[e].add(jnp.dot((silu * up).astype(dout.dtype).T, dout, preferred_element_type=jnp.float32))
+        dact = jnp.dot(dout, w_down[e].T, preferred_element_type=jnp.float32)
+        dgate = dact * up * sig * (1.0 + gate * (1.0 - sig))
+        dgu = jnp.concatenate([dgate, dact * silu], axis=-1).astype(rows.dtype)
+        dw_gu = dw_gu.at[e].add(jnp.dot(rows.T, dgu, preferred_element_type=jnp.float32))
+        dh = dh.at[src[i]].add(jnp.dot(dgu, w_gu[e].T, preferred_element_type=jnp.float32))
+        return dh, dw_gu, dw_down
+
+    init = (
+        jnp.zeros(h_pad.shape, jnp.float32),
+        jnp.zeros(w_gu.shape, jnp.float32),
+        jnp.zeros(w_down.shape, jnp.float32),
+    )
+    dh, dw_gu, dw_down = jax.lax.fori_loop(0, n_used, body, init)
+    return dh.astype(h_pad.dtype), None, None, None, dw_gu.astype(w_gu.dtype), dw_down.astype(w_down.dtype)
+
+
+_ffn_loop.defvjp(_ffn_loop_fwd, _ffn_loop_bwd)
+
+
+def dropless_loop(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed by a loop over the used blocks only: the CPU fast path.
+
+    Against ``dropless_blocks`` it skips the padding blocks, slices each block's expert weights
+    instead of gathering a copy per block, and runs gate and up as one matmul; its hand-written
+    backward is the same loop. Equal to ``dropless_ragged`` (tests/test_moe.py).
+    """
+    t, k = idx.shape
+    n_experts = w["w_gate"].shape[0]
+    plan = block_plan(idx, n_experts, block_size(t * k, n_experts))
+    h_pad = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
+    w_gu = jnp.concatenate([w["w_gate"], w["w_up"]], axis=-1)
+    out = _ffn_loop(h_pad, plan.src, plan.block_expert, plan.n_used, w_gu, w["w_down"])
+    return _combine(out.reshape(-1, out.shape[-1]), plan.row, gates)
 
 
 def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
     """Dropless dispatch: ragged_dot where the backend has grouped matmuls, blocks on CPU."""
     if jax.default_backend() == "cpu":
-        return dropless_blocks(h, idx, gates, w)
+        return dropless_loop(h, idx, gates, w)
     return dropless_ragged(h, idx, gates, w)
 
 

@@ -103,20 +103,23 @@ def forward(
     for i in range(m.n_layers):  # unrolled: local and global layers differ in window and kv heads
         p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
         h = rms_norm(x, p["attn_norm"], m.norm_eps)
-        x = x + attention(
-            p,
-            h,
-            n_heads=m.n_heads,
-            n_kv_alloc=m.kv_heads_alloc,
-            n_kv=m.layer_kv_heads(i),
-            head_dim=m.head_size,
-            window=0 if m.is_global(i) else m.sliding_window,
-            rope_fraction=m.rope_fraction,
-            rope_theta=m.rope_theta,
-            eps=m.norm_eps,
-        )
+        with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
+            a = attention(
+                p,
+                h,
+                n_heads=m.n_heads,
+                n_kv_alloc=m.kv_heads_alloc,
+                n_kv=m.layer_kv_heads(i),
+                head_dim=m.head_size,
+                window=0 if m.is_global(i) else m.sliding_window,
+                rope_fraction=m.rope_fraction,
+                rope_theta=m.rope_theta,
+                eps=m.norm_eps,
+            )
+        x = x + a
         h = rms_norm(x, p["mlp_norm"], m.norm_eps)
-        y, metrics, bias = moe_block(p, h, state["router_bias"][i], m, dispatch)
+        with jax.named_scope("moe"):
+            y, metrics, bias = moe_block(p, h, state["router_bias"][i], m, dispatch)
         if capture:
             metrics = dict(metrics, moe_input=h)
         x = x + y
@@ -149,9 +152,10 @@ def loss_fn(
     """
     dispatch = m.dispatch if train else (m.eval_dispatch or m.dispatch)
     hidden, layers, new_state = forward(params, state, inputs, m, dispatch)
-    logits = logits_of(params, hidden)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    with jax.named_scope("head"):
+        logits = logits_of(params, hidden)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     weight = jnp.ones_like(lse) if mask is None else mask.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     ce = jnp.sum((lse - target_logit) * weight) / denom
