@@ -36,7 +36,9 @@ format: $(STAMP)
 	$(PY) -m ruff format src tests benchmarks
 	$(PY) -m ruff check --fix src tests benchmarks
 
+# vs_transformers.py needs the bench extra (PyTorch CPU, transformers)
 bench: $(STAMP)
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev,bench]"
 	$(HUGEPAGES) $(PY) benchmarks/run_all.py
 
 clean:

@@ -1,19 +1,30 @@
-"""`make bench`: every benchmark script in this folder, one after another, each printing its figures."""
+"""`make bench`: every benchmark script in this folder, one after another, each printing its figures.
+
+Each writes benchmarks/results/<name>.json; the elapsed time of each is printed at the end.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["moe_dispatch.py", "fault_detection.py", "drops_vs_context.py"]
+SCRIPTS = ["moe_dispatch.py", "vs_transformers.py", "fault_detection.py", "drops_vs_context.py"]
 
 if __name__ == "__main__":
-    failed = []
+    failed, took = [], {}
     for script in SCRIPTS:
         print(f"== {script}", flush=True)
+        t0 = time.perf_counter()
         if subprocess.run([sys.executable, str(HERE / script)]).returncode != 0:
             failed.append(script)
+        took[script] = time.perf_counter() - t0
+    print(
+        "== elapsed: "
+        + ", ".join(f"{s} {t / 60:.1f} min" for s, t in took.items())
+        + f"; {sum(took.values()) / 60:.1f} min in all"
+    )
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")

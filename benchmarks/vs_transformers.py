@@ -105,8 +105,8 @@ def timed(step, start: int, n: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="A,B")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per round and framework")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per round and framework")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     try:
@@ -117,10 +117,11 @@ def main() -> None:
     import jax
 
     from moelab import accounting
+    from moelab._alloc import hugepages_on
     from moelab.train.record import matmul_peak
 
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-               "threads": args.threads, "jax": jax.__version__, "torch": torch.__version__,
+               "threads": args.threads, "hugepages": hugepages_on(), "jax": jax.__version__, "torch": torch.__version__,
                "transformers": transformers.__version__, "differences": DIFFERENCES, "shapes": {}}  # fmt: skip
     for name in args.shapes.split(","):
         shape = SHAPES[name]

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import run_cli
 from moelab import accounting
+from moelab._alloc import hugepage_env
 from moelab.bench import shape_config
 
 TINY = ["--d-model", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts", "8", "--top-k", "2",
@@ -32,9 +33,14 @@ def test_train_step_bench_json_has_every_field():
     assert r["mfu"] == pytest.approx(r["achieved_flops_per_s"] / r["matmul_peak_flops_per_s"])
     assert 0 < r["mfu"] < 1.5 and r["matmul_peak_flops_per_s"] > 1e8
     assert 0 < r["compile_s"] < 120
-    # the process holds at least the parameters and AdamW's two moments in fp32
-    assert r["peak_rss_bytes"] > 3 * 4 * r["params"]
+    # the state is the parameters and AdamW's two moments in fp32 (and the router biases)
+    assert 3 * 4 * r["params"] <= r["state_bytes"] < 3 * 4 * r["params"] + 4096
+    assert r["memory_estimate_bytes"] == r["state_bytes"] + r["xla_temp_bytes"] and r["xla_temp_bytes"] > 0
+    assert r["peak_rss_bytes"] >= r["peak_rss_steps_bytes"] > r["state_bytes"]
+    assert 0 < r["memory_ratio"] < 10
     assert r["final_loss"] > 0 and r["steps_timed"] == 4
+    # the command restarts itself with glibc's heap on huge pages wherever the machine has them
+    assert r["hugepages"] is (hugepage_env({}) is not None)
 
 
 def test_bad_bench_flags_are_refused():

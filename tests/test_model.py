@@ -204,3 +204,28 @@ def test_masked_loss_counts_only_masked_positions():
     # what the mask hides does not move the loss
     other = tokens.at[1, 3].set((tokens[1, 3] + 1) % 64)
     assert float(loss_fn(p, st, tokens[:, :-1], other[:, 1:], m, mask=mask)[0]) == pytest.approx(loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("window,n_kv", [(0, 4), (24, 2), (40, 1)])
+def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
+    """Causal query blocks (keys beyond a block's reach never scored) against one block: values and grads."""
+    b, s, d, heads, hd = 2, 96, 32, 4, 8
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    p = {
+        "wq": jax.random.normal(keys[0], (d, heads * hd)) / 6,
+        "wk": jax.random.normal(keys[1], (d, n_kv * hd)) / 6,
+        "wv": jax.random.normal(keys[2], (d, n_kv * hd)) / 6,
+        "wo": jax.random.normal(keys[3], (heads * hd, d)) / 6,
+    }
+    x = jax.random.normal(keys[4], (b, s, d))
+    kw = dict(n_heads=heads, n_kv_alloc=n_kv, n_kv=n_kv, head_dim=hd, window=window, rope_fraction=1.0,
+              rope_theta=1e4, eps=1e-6)  # fmt: skip
+
+    def run(chunks):
+        f = lambda p, x: jnp.sum(jnp.sin(attention(p, x, query_chunks=chunks, **kw)))  # noqa: E731
+        return attention(p, x, query_chunks=chunks, **kw), jax.grad(f, argnums=(0, 1))(p, x)
+
+    ref = run(1)
+    for chunks in (3, 4):
+        for a, r in zip(jax.tree.leaves(run(chunks)), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, r, atol=2e-5, rtol=1e-5)

@@ -32,19 +32,54 @@ SHAPE_FLAGS = {
     "dispatch": ("model.dispatch", str, "dropless"),
     "capacity_factor": ("model.capacity_factor", float, 1.25),
     "dtype": ("model.compute_dtype", str, "float32"),
+    "remat": ("model.remat", str, "none"),
+    "ce_chunk": ("model.ce_chunk", int, 0),
 }
+DEFAULT_PRESET = "tiny-softmax"
 
 
-def shape_config(**shape):
-    """The tiny-softmax recipe at the given shape (unknown flags keep SHAPE_FLAGS' defaults)."""
+def shape_config(preset: str | None = None, **shape):
+    """A model to time: the tiny-softmax recipe at SHAPE_FLAGS' defaults (reference shape A), changed
+    by the given flags; or another preset as it is, changed only by the flags given."""
     from moelab.config import load_config
 
-    values = {k: shape.get(k) if shape.get(k) is not None else d for k, (_, _, d) in SHAPE_FLAGS.items()}
-    kv = values["kv_heads"] or values["heads"]
-    overrides = [f"{field}={values[k]}" for k, (field, _, _) in SHAPE_FLAGS.items() if k != "kv_heads"]
-    overrides += [f"model.n_kv_heads={kv}", f"model.n_kv_heads_local={kv}", "model.sliding_window=0",
-                  "model.eval_dispatch=dropless", "train.lr=1e-3", "train.steps=1000"]  # fmt: skip
-    return load_config("tiny-softmax", overrides)
+    preset = preset or DEFAULT_PRESET
+    given = {k: v for k, v in shape.items() if v is not None}
+    if preset == DEFAULT_PRESET:
+        values = {k: given.get(k, d) for k, (_, _, d) in SHAPE_FLAGS.items()}
+        values["kv_heads"] = values["kv_heads"] or values["heads"]
+        extra = ["model.n_kv_heads_local=0", "model.sliding_window=0", "model.eval_dispatch=dropless",
+                 "train.lr=1e-3", "train.steps=1000"]  # fmt: skip
+    else:
+        values, extra = given, []
+    overrides = [f"{SHAPE_FLAGS[k][0]}={v}" for k, v in values.items() if k != "kv_heads"]
+    if values.get("kv_heads"):
+        overrides.append(f"model.n_kv_heads={values['kv_heads']}")
+    return load_config(preset, overrides + extra)
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak_rss() -> bool:
+    """Start Linux's peak-RSS count (VmHWM) afresh, so compiling is not counted with stepping."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:
@@ -70,22 +105,29 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     step_fn = make_train_step(cfg, opt, h)
     rng = np.random.default_rng(seed)
     batches = [rng.integers(0, m.vocab_size, (b, s + 1), dtype=np.int32) for _ in range(4)]
-    rss_before = peak_rss_bytes()
+    rss_base = current_rss_bytes()  # JAX and the state, before compiling
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    args = (np.int32(0), np.bool_(False))
 
     t0 = time.perf_counter()
-    state, metrics = step_fn(state, batches[0], np.int32(0), np.bool_(False))
-    jax.block_until_ready(metrics["loss"])
-    first = time.perf_counter() - t0
+    compiled = step_fn.lower(state, batches[0], *args).compile()
+    compile_s = time.perf_counter() - t0
+    peak_compile = peak_rss_bytes()
+    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+    rss_before_steps = current_rss_bytes()
+    separate = reset_peak_rss()
+    state, metrics = compiled(state, batches[0], *args)
     for i in range(warmup):
-        state, metrics = step_fn(state, batches[(i + 1) % 4], np.int32(i + 1), np.bool_(False))
+        state, metrics = compiled(state, batches[(i + 1) % 4], np.int32(i + 1), args[1])
     jax.block_until_ready(metrics["loss"])
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
-        state, metrics = step_fn(state, batches[i % 4], np.int32(warmup + 1 + i), np.bool_(False))
+        state, metrics = compiled(state, batches[i % 4], np.int32(warmup + 1 + i), args[1])
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
     times = np.array(times)
+    steps_peak = peak_rss_since_reset() if separate else peak_rss_bytes()
     med = float(np.median(times))
     peak = matmul_peak()
     count = accounting.count(cfg)
@@ -101,9 +143,23 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
         "step_time_p10_s": float(np.percentile(times, 10)),
         "step_time_p90_s": float(np.percentile(times, 90)),
         "step_time_spread": float((np.percentile(times, 90) - np.percentile(times, 10)) / med),
-        "compile_s": max(first - med, 0.0),
+        "compile_s": compile_s,
+        # memory: the estimate is the state (parameters, optimiser, router biases; exact) plus XLA's
+        # temporary buffer for the compiled step (the activations kept for the backward pass, gradients,
+        # scratch). Against it: the state plus what the steps added to resident memory above the
+        # compiled process. What compiling leaves resident (the program, the compiler's freed heap) is
+        # reported apart.
+        "state_bytes": state_bytes,
+        "xla_temp_bytes": temp_bytes,
+        "memory_estimate_bytes": state_bytes + temp_bytes,
+        "rss_before_compile_bytes": rss_base,
+        "rss_before_steps_bytes": rss_before_steps,
+        "compile_resident_bytes": rss_before_steps - rss_base,
+        "peak_rss_compile_bytes": peak_compile,
+        "peak_rss_steps_bytes": steps_peak,
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_rss_before_step_bytes": rss_before,
+        "steps_memory_bytes": steps_peak - rss_before_steps + state_bytes,
+        "memory_ratio": (steps_peak - rss_before_steps + state_bytes) / (state_bytes + temp_bytes),
         "params": params,
         "active_params": count.active_params,
         "model_flops_per_token": flops_per_token,
@@ -124,7 +180,7 @@ def _shape_of(cfg) -> dict:
         "experts": m.n_routed, "top_k": m.top_k, "expert_dim": m.expert_dim, "shared": m.n_shared,
         "shared_dim": m.shared_dim, "latent_dim": m.latent_dim, "seq": m.seq_len, "batch": t.batch_size,
         "vocab": m.vocab_size, "dispatch": m.dispatch, "capacity_factor": m.capacity_factor,
-        "dtype": m.compute_dtype,
+        "dtype": m.compute_dtype, "remat": m.remat, "ce_chunk": m.ce_chunk,
     }  # fmt: skip
 
 
@@ -143,8 +199,14 @@ def print_result(r: dict) -> None:
         f"(p10-p90 {1000 * r['step_time_p10_s']:.1f}-{1000 * r['step_time_p90_s']:.1f} ms over {r['steps_timed']} steps)"
     )
     print(
-        f"  compile {r['compile_s']:.1f} s; peak resident memory {r['peak_rss_bytes'] / 2**20:,.0f} MiB; "
-        f"{r['model_flops_per_token']:.3g} FLOPs per token; {r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s achieved"
+        f"  compile {r['compile_s']:.1f} s; {r['model_flops_per_token']:.3g} FLOPs per token; "
+        f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s achieved"
+    )
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    print(
+        f"  memory: estimate {mib(r['memory_estimate_bytes'])} (state {mib(r['state_bytes'])} + XLA step buffer "
+        f"{mib(r['xla_temp_bytes'])}); the steps held {mib(r['steps_memory_bytes'])} ({r['memory_ratio']:.2f}x); "
+        f"compiling left {mib(r['compile_resident_bytes'])} resident; process peak {mib(r['peak_rss_bytes'])}"
     )
     print(
         f"  MFU {r['mfu']:.1%} of the measured fp32 matmul peak ({r['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "

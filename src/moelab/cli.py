@@ -500,7 +500,7 @@ def cmd_bench_train_step(args: argparse.Namespace) -> int:
     for name in ("steps", "warmup"):
         if getattr(args, name) < (1 if name == "steps" else 0):
             raise UsageError(f"--{name}: must be >= {1 if name == 'steps' else 0}, got {getattr(args, name)}")
-    cfg = shape_config(**{k: getattr(args, k) for k in SHAPE_FLAGS})
+    cfg = shape_config(args.preset, **{k: getattr(args, k) for k in SHAPE_FLAGS})
     result = bench_train_step(cfg, steps=args.steps, warmup=args.warmup)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -681,8 +681,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure: the train step's throughput, compile time, memory, MFU")
     bench = bench.add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("train-step", help="time the train step of a model shape (tiny-softmax recipe)")
-    from moelab.bench import SHAPE_FLAGS
+    from moelab.bench import DEFAULT_PRESET, SHAPE_FLAGS
 
+    p.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        help=f"start from this preset (default {DEFAULT_PRESET} at reference shape A; another preset keeps its own "
+        "shape except the flags given)",
+    )
     for name, (field, kind, default) in SHAPE_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"{field} (default {default})")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")

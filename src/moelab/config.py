@@ -25,6 +25,7 @@ BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "layer")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,9 @@ class ModelConfig:
     # numerics
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
+    # memory for large models
+    remat: str = "none"  # "layer": keep only each layer's input, recompute the layer in the backward pass
+    ce_chunk: int = 0  # tokens per chunk of the LM head's cross-entropy (logits never whole); 0 = one chunk
 
     @property
     def head_size(self) -> int:
@@ -404,6 +408,7 @@ def _check_model(m: ModelConfig) -> list[str]:
         "router_z_loss_coef",
         "logit_z_loss",
         "bias_rate",
+        "ce_chunk",
     ):
         check((n,), getattr(m, n) >= 0, f"must be >= 0, got {getattr(m, n)}")
     for n, allowed in (
@@ -412,6 +417,7 @@ def _check_model(m: ModelConfig) -> list[str]:
         ("dispatch", DISPATCHES),
         ("drop_order", DROP_ORDERS),
         ("compute_dtype", DTYPES),
+        ("remat", REMATS),
         ("eval_dispatch", ("",) + DISPATCHES),
     ):
         check((n,), getattr(m, n) in allowed, f"must be one of {', '.join(map(repr, allowed))}, got {getattr(m, n)!r}")

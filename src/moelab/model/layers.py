@@ -56,6 +56,15 @@ def group_kv(w: jax.Array, n_alloc: int, n_used: int) -> jax.Array:
     return w.reshape(d, n_used, n_alloc // n_used, hd).mean(axis=2).reshape(d, n_used * hd)
 
 
+def auto_query_chunks(seq: int) -> int:
+    """Query blocks of at least 64 positions, at most 4 of them: about 1.4x (seq 256) to 2x (seq 512)
+    faster on XLA:CPU than one block, forward and backward."""
+    for n in (4, 2):
+        if seq % n == 0 and seq // n >= 64:
+            return n
+    return 1
+
+
 def attention(
     p: dict,
     x: jax.Array,
@@ -68,8 +77,14 @@ def attention(
     rope_fraction: float,
     rope_theta: float,
     eps: float,
+    query_chunks: int | None = None,
 ) -> jax.Array:
-    """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d]."""
+    """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d].
+
+    ``query_chunks``: the queries in that many blocks, each scored only against the keys it can
+    see (causal, and the window), so the masked upper triangle is mostly never computed; None
+    picks ``auto_query_chunks(s)``, 1 is the plain (reference) path.
+    """
     b, s, _ = x.shape
     q = (x @ p["wq"]).reshape(b, s, n_heads, head_dim)
     k = (x @ group_kv(p["wk"], n_kv_alloc, n_kv)).reshape(b, s, n_kv, head_dim)
@@ -78,17 +93,26 @@ def attention(
     q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta)
     k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta)
     g = n_heads // n_kv
-    # heads before positions, and a query group's heads stacked along the query axis: each
-    # (batch, kv head) is one plain [g*s, hd] x [hd, s] matmul, which XLA:CPU runs about twice as
-    # fast as the [b, s, kv, g, s] layout, softmax included
-    q = (q * head_dim**-0.5).reshape(b, s, n_kv, g, head_dim).transpose(0, 2, 3, 1, 4).reshape(b, n_kv, g * s, head_dim)
+    # heads before positions: each (batch, kv head) is a plain matmul, which XLA:CPU runs about
+    # 1.2x as fast as the [b, s, kv, g, s] layout, softmax included
+    q = (q * head_dim**-0.5).reshape(b, s, n_kv, g, head_dim).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, hd]
     k = k.transpose(0, 2, 1, 3)  # [b, kv, s, hd]
     v = v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqh,bkph->bkqp", q, k, preferred_element_type=jnp.float32)
-    mask = jnp.tile(attention_mask(s, window), (g, 1))  # [g*s, s]
-    scores = scores + jnp.where(mask, 0.0, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkqp,bkph->bkqh", probs, v)  # [b, kv, g*s, hd]
+    n_chunks = query_chunks if query_chunks is not None else auto_query_chunks(s)
+    if s % n_chunks:
+        raise ValueError(f"query_chunks={n_chunks} does not divide the sequence length {s}")
+    c = s // n_chunks
+    mask = attention_mask(s, window)
+    outs = []
+    for i in range(n_chunks):  # chunk i's queries see keys [lo, hi) only: causal blocks never computed
+        hi = (i + 1) * c
+        lo = max(0, i * c - window + 1) if window else 0
+        qi = q[:, :, :, i * c : hi].reshape(b, n_kv, g * c, head_dim)  # a group's heads stacked along queries
+        scores = jnp.einsum("bkqh,bkph->bkqp", qi, k[:, :, lo:hi], preferred_element_type=jnp.float32)
+        scores = scores + jnp.where(jnp.tile(mask[i * c : hi, lo:hi], (g, 1)), 0.0, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkqp,bkph->bkqh", probs, v[:, :, lo:hi]).reshape(b, n_kv, g, c, head_dim))
+    out = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)  # [b, kv, g, s, hd]
     out = out.reshape(b, n_heads, s, head_dim).transpose(0, 2, 1, 3).reshape(b, s, n_heads * head_dim)
     return out @ p["wo"]
 

@@ -6,6 +6,7 @@ Follow one token: embed -> per layer [RMSNorm -> attention -> +residual -> RMSNo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -86,6 +87,31 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
 
+def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, dispatch: str, capture: bool):
+    """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step)."""
+    h = rms_norm(x, p["attn_norm"], m.norm_eps)
+    with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
+        a = attention(
+            p,
+            h,
+            n_heads=m.n_heads,
+            n_kv_alloc=m.kv_heads_alloc,
+            n_kv=m.layer_kv_heads(i),
+            head_dim=m.head_size,
+            window=0 if m.is_global(i) else m.sliding_window,
+            rope_fraction=m.rope_fraction,
+            rope_theta=m.rope_theta,
+            eps=m.norm_eps,
+        )
+    x = x + a
+    h = rms_norm(x, p["mlp_norm"], m.norm_eps)
+    with jax.named_scope("moe"):
+        y, metrics, new_bias = moe_block(p, h, bias, m, dispatch)
+    if capture:
+        metrics = dict(metrics, moe_input=h)
+    return x + y, metrics, new_bias
+
+
 def forward(
     params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None, capture: bool = False
 ):
@@ -102,27 +128,10 @@ def forward(
     new_bias = []
     for i in range(m.n_layers):  # unrolled: local and global layers differ in window and kv heads
         p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-        h = rms_norm(x, p["attn_norm"], m.norm_eps)
-        with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
-            a = attention(
-                p,
-                h,
-                n_heads=m.n_heads,
-                n_kv_alloc=m.kv_heads_alloc,
-                n_kv=m.layer_kv_heads(i),
-                head_dim=m.head_size,
-                window=0 if m.is_global(i) else m.sliding_window,
-                rope_fraction=m.rope_fraction,
-                rope_theta=m.rope_theta,
-                eps=m.norm_eps,
-            )
-        x = x + a
-        h = rms_norm(x, p["mlp_norm"], m.norm_eps)
-        with jax.named_scope("moe"):
-            y, metrics, bias = moe_block(p, h, state["router_bias"][i], m, dispatch)
-        if capture:
-            metrics = dict(metrics, moe_input=h)
-        x = x + y
+        one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)
+        if m.remat == "layer":  # only x is kept for the backward pass; the layer runs again there
+            one = jax.checkpoint(one)
+        x, metrics, bias = one(x, p, state["router_bias"][i])
         layer_metrics.append(metrics)
         new_bias.append(bias)
     metrics = jax.tree.map(lambda *a: jnp.stack(a), *layer_metrics)
@@ -133,6 +142,33 @@ def forward(
 def logits_of(params: dict, hidden: jax.Array) -> jax.Array:
     head = params["head"].astype(hidden.dtype)
     return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def ce_terms(params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Each token's log-partition and target logit, [b, s] each, in fp32.
+
+    ``chunk`` > 0: ``chunk`` tokens at a time, each chunk's logits recomputed in the backward pass,
+    so no more than [chunk, vocab] logits exist at once. The same numbers as chunk 0 (tests).
+    """
+    b, s, d = hidden.shape
+    n = b * s
+    if not chunk or chunk >= n:
+        logits = logits_of(params, hidden)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return lse, jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, 1, chunk, d)
+    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, 1, chunk)
+
+    @jax.checkpoint
+    def one(args):
+        hc, tc = args
+        logits = logits_of(params, hc)
+        return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+
+    lse, tgt = jax.lax.map(one, (h, t))
+    return lse.reshape(-1)[:n].reshape(b, s), tgt.reshape(-1)[:n].reshape(b, s)
 
 
 def loss_fn(
@@ -153,9 +189,7 @@ def loss_fn(
     dispatch = m.dispatch if train else (m.eval_dispatch or m.dispatch)
     hidden, layers, new_state = forward(params, state, inputs, m, dispatch)
     with jax.named_scope("head"):
-        logits = logits_of(params, hidden)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        lse, target_logit = ce_terms(params, hidden, targets, m.ce_chunk)
     weight = jnp.ones_like(lse) if mask is None else mask.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     ce = jnp.sum((lse - target_logit) * weight) / denom

@@ -12,7 +12,7 @@ import optax
 
 from moelab.config import Config
 from moelab.model import init_params, init_state, loss_fn
-from moelab.model.transformer import forward, logits_of
+from moelab.model.transformer import ce_terms, forward
 from moelab.train import optim
 
 
@@ -80,9 +80,7 @@ def make_eval_step(cfg: Config):
 
     def nll(params, model_state, inputs, targets, mask, dispatch):
         hidden, _, _ = forward(params, model_state, inputs, m, dispatch)
-        logits = logits_of(params, hidden)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk)
         return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
     return jax.jit(nll, static_argnames="dispatch")
