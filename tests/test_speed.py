@@ -71,14 +71,15 @@ def _loss_and_grads(cfg, key=0):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "shape,options",
     [
-        ["model.remat=layer"],  # every layer recomputed in the backward pass
-        ["model.ce_chunk=48"],  # 3 chunks of the 4 x 32 = 128 tokens, the last padded
-        ["model.ce_chunk=128", "model.remat=layer"],
+        ([], ["model.remat=layer"]),  # every layer recomputed in the backward pass (2 layers: unrolled)
+        (["model.n_layers=5"], ["model.remat=layer"]),  # a scan over 2 local/global periods, then the last layer
+        ([], ["model.ce_chunk=48"]),  # 3 chunks of the 4 x 32 = 128 tokens, the last padded
+        ([], ["model.ce_chunk=128", "model.remat=layer"]),
     ],
 )
-def test_memory_options_equal_the_reference_step(overrides):
+def test_memory_options_equal_the_reference_step(shape, options):
     """Rematerialisation and the chunked cross-entropy change memory, not numbers: loss, metrics, grads."""
     import jax
     import numpy as np
@@ -88,8 +89,8 @@ def test_memory_options_equal_the_reference_step(overrides):
     base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.vocab_size=96",
             "model.seq_len=32", "model.sliding_window=16", "model.n_routed=4", "model.expert_dim=16", "model.latent_dim=16",
             "model.shared_dim=16", "train.batch_size=4"]  # fmt: skip
-    ref = _loss_and_grads(load_config("tiny", base))
-    fast = _loss_and_grads(load_config("tiny", base + overrides))
+    ref = _loss_and_grads(load_config("tiny", base + shape))
+    fast = _loss_and_grads(load_config("tiny", base + shape + options))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
@@ -114,3 +115,23 @@ def test_chunked_cross_entropy_never_holds_the_whole_logits():
     logits = 4 * 128 * 8192 * 4  # tokens x vocab in fp32: 16 MiB
     whole, chunked = temp_bytes(0), temp_bytes(64)
     assert whole - chunked > logits  # the logits and their gradient are gone
+
+
+def test_layer_remat_shrinks_the_step_buffer():
+    """XLA's own accounting: with remat=layer the step keeps about one layer's activations, not all."""
+    import numpy as np
+
+    from moelab.config import load_config
+    from moelab.train import optim
+    from moelab.train.step import init_train_state, make_train_step
+
+    def temp_bytes(remat):
+        cfg = load_config("tiny", ["model.n_layers=4", f"model.remat={remat}"])
+        h = optim.hyper(cfg)
+        opt = optim.make_optimizer(cfg, h)
+        state = init_train_state(cfg, opt)
+        batch = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
+        step = make_train_step(cfg, opt, h).lower(state, batch, np.int32(0), np.bool_(False))
+        return step.compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("layer") < 0.6 * temp_bytes("none")

@@ -112,6 +112,38 @@ def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, di
     return x + y, metrics, new_bias
 
 
+def _remat_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool):
+    """Rematerialised layers as a ``lax.scan`` over whole periods of the local/global pattern.
+
+    Each scan step keeps only its input for the backward pass and runs its layers again there.
+    Unrolled, the recomputation depends only on forward values and XLA:CPU schedules it early,
+    which keeps every activation alive: the checkpoint then saves nothing (measured). A loop's
+    reverse pass cannot be hoisted. Returns x, the first layer not done, metrics and biases per layer.
+    """
+    period = m.global_every if m.sliding_window and m.global_every > 0 else 1
+    n_full = m.n_layers // period * period
+    same = lambda i: (m.is_global(i), m.layer_kv_heads(i)) == (m.is_global(i % period), m.layer_kv_heads(i % period))  # noqa: E731
+    if n_full < 2 * period or not all(same(i) for i in range(n_full)):
+        return x, 0, [], []
+    fold = lambda a: a[:n_full].reshape((n_full // period, period) + a.shape[1:])  # noqa: E731
+
+    @jax.checkpoint
+    def body(x, xs):
+        p_stack, bias_stack = xs
+        metrics, biases = [], []
+        for j in range(period):
+            p = jax.tree.map(lambda a, j=j: a[j], p_stack)
+            x, met, bias = _layer(x, p, bias_stack[j], i=j, m=m, dispatch=dispatch, capture=capture)
+            metrics.append(met)
+            biases.append(bias)
+        return x, (jax.tree.map(lambda *a: jnp.stack(a), *metrics), jnp.stack(biases))
+
+    x, (metrics, biases) = jax.lax.scan(body, x, (jax.tree.map(fold, params["layers"]), fold(state["router_bias"])))
+    per_layer = jax.tree.map(lambda a: a.reshape((n_full,) + a.shape[2:]), metrics)
+    layer_metrics = [jax.tree.map(lambda a, i=i: a[i], per_layer) for i in range(n_full)]
+    return x, n_full, layer_metrics, list(biases.reshape((n_full,) + biases.shape[2:]))
+
+
 def forward(
     params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None, capture: bool = False
 ):
@@ -126,10 +158,13 @@ def forward(
     x = params["embed"][tokens]
     layer_metrics = []
     new_bias = []
-    for i in range(m.n_layers):  # unrolled: local and global layers differ in window and kv heads
+    first = 0
+    if m.remat == "layer":
+        x, first, layer_metrics, new_bias = _remat_layers(params, state, x, m, dispatch, capture)
+    for i in range(first, m.n_layers):  # unrolled: local and global layers differ in window and kv heads
         p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
         one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)
-        if m.remat == "layer":  # only x is kept for the backward pass; the layer runs again there
+        if m.remat == "layer":
             one = jax.checkpoint(one)
         x, metrics, bias = one(x, p, state["router_bias"][i])
         layer_metrics.append(metrics)
