@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,7 @@ def test_masked_loss_counts_only_masked_positions():
     assert float(loss_fn(p, st, tokens[:, :-1], other[:, 1:], m, mask=mask)[0]) == pytest.approx(loss, rel=1e-6)
 
 
-@pytest.mark.parametrize("window,n_kv", [(0, 4), (24, 2), (40, 1)])
+@pytest.mark.parametrize("window,n_kv", [(0, 4), (40, 2)])
 def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
     """Causal query blocks (keys beyond a block's reach never scored) against one block: values and grads."""
     b, s, d, heads, hd = 2, 96, 32, 4, 8
@@ -221,11 +222,12 @@ def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
     kw = dict(n_heads=heads, n_kv_alloc=n_kv, n_kv=n_kv, head_dim=hd, window=window, rope_fraction=1.0,
               rope_theta=1e4, eps=1e-6)  # fmt: skip
 
-    def run(chunks):
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(p, x, chunks):
         f = lambda p, x: jnp.sum(jnp.sin(attention(p, x, query_chunks=chunks, **kw)))  # noqa: E731
         return attention(p, x, query_chunks=chunks, **kw), jax.grad(f, argnums=(0, 1))(p, x)
 
-    ref = run(1)
+    ref = run(p, x, 1)
     for chunks in (3, 4):
-        for a, r in zip(jax.tree.leaves(run(chunks)), jax.tree.leaves(ref), strict=True):
+        for a, r in zip(jax.tree.leaves(run(p, x, chunks)), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(a, r, atol=2e-5, rtol=1e-5)

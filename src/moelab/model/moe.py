@@ -191,10 +191,16 @@ def dropless_loop(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> ja
     return _combine(out.reshape(-1, out.shape[-1]), plan.row, gates)
 
 
+LOOP_MIN_EXPERT_SIZE = 128 * 128  # din x f at which the loop beats one batched matmul on CPU
+
+
 def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
-    """Dropless dispatch: ragged_dot where the backend has grouped matmuls, blocks on CPU."""
+    """Dropless dispatch: ragged_dot where the backend has grouped matmuls; on CPU the loop over
+    used blocks for experts of at least 128 x 128, the batched blocks below that (tiny experts:
+    the loop's per-block cost and compile time outweigh what it saves)."""
     if jax.default_backend() == "cpu":
-        return dropless_loop(h, idx, gates, w)
+        din, f = w["w_gate"].shape[1:]
+        return dropless_loop(h, idx, gates, w) if din * f >= LOOP_MIN_EXPERT_SIZE else dropless_blocks(h, idx, gates, w)
     return dropless_ragged(h, idx, gates, w)
 
 
