@@ -227,6 +227,7 @@ def ep_run(corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # two 20-step CLI runs (~45 s); the forward/grad equivalence tests stay in the default run
 def test_ep_training_equals_single_device(single_device_run, ep_run):
     ep, ref = _losses(ep_run), _losses(single_device_run)
     assert len(ep) == len(ref) == 20

@@ -71,6 +71,7 @@ def test_bad_replans_are_refused(spec, why):
         load_config("tiny", [f"train.replans=[{spec}]"])
 
 
+@pytest.mark.slow  # a killed 40-step run, re-planned and resumed (~65 s); the schedule's hand cases stay
 def test_replan_a_real_run_then_resume_follows_the_new_plan(corpus, tmp_path):
     out = tmp_path / "run"
     res = _train_cli(corpus, out, steps=40, env={"MOELAB_TEST_FAULTS": "kill@25"})  # checkpoints at 10 and 20

@@ -337,6 +337,7 @@ def test_trackers_mirror_the_metrics(corpus, tmp_path):
     assert (out / "metrics.jsonl").exists()  # the local files are always written
 
 
+@pytest.mark.slow  # ~35 s; the NaN restore-and-skip test stays in the default run
 def test_nan_streak_across_a_checkpoint_resumes_exactly(corpus, tmp_path):
     poison = ("--set", "train.poison_steps=[8, 9, 10]", "--set", "train.eval_every=24")
     ref = _train_cli(corpus, tmp_path / "ref", *poison, steps=24)
