@@ -187,22 +187,19 @@ def ce_terms(params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0
     """
     b, s, d = hidden.shape
     n = b * s
-    if not chunk or chunk >= n:
-        logits = logits_of(params, hidden)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        return lse, jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
-    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, 1, chunk, d)
-    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, 1, chunk)
 
-    @jax.checkpoint
-    def one(args):
+    def terms(args):
         hc, tc = args
         logits = logits_of(params, hc)
         return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
 
-    lse, tgt = jax.lax.map(one, (h, t))
+    if not chunk or chunk >= n:
+        return terms((hidden, targets))
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, 1, chunk, d)
+    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, 1, chunk)
+    lse, tgt = jax.lax.map(jax.checkpoint(terms), (h, t))
     return lse.reshape(-1)[:n].reshape(b, s), tgt.reshape(-1)[:n].reshape(b, s)
 
 
