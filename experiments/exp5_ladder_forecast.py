@@ -1,6 +1,6 @@
 """The ladder as forecaster and fault detector, end to end on a laptop (what `make demo` runs).
 
-Three tiny rungs of one recipe (ladders/demo.yaml: head size 16, two layers, learning rate by
+Three tiny rungs of one recipe (ladders/demo5.yaml: head size 16, two layers, learning rate by
 Marin's rule, 20 tokens per active parameter) train on the standard library; Marin's form
 L(C) = E + A * C^-alpha is fitted across them at every 5% of training; the target's whole curve
 is forecast and registered (hash and time) in the journal before the target trains; the target
@@ -15,10 +15,10 @@ from pathlib import Path
 from moelab.lab import Experiment, Prediction, output_of
 from moelab.lab.steps import forecast_step, health_step, ladder_steps, train_step
 
-LADDER = str(Path(__file__).resolve().parents[1] / "ladders" / "demo.yaml")
+LADDER = str(Path(__file__).resolve().parents[1] / "ladders" / "demo5.yaml")
 
 rungs, target_cfg = ladder_steps(LADDER)
-forecast = forecast_step("demo-forecast", [output_of(r) for r in rungs], target_cfg)
+forecast = forecast_step("demo-forecast", [output_of(r) for r in rungs], target_cfg, law="per-fraction")
 target = train_step("demo-target", target_cfg, forecast=output_of(forecast) / "forecast.json")
 health = health_step("demo-health", output_of(target))
 

@@ -242,3 +242,49 @@ def test_more_bad_inputs_are_one_line_errors(tmp_path):
     table = pa.table({"text": pa.array(["x", "y", "x"]).dictionary_encode()})
     pq.write_table(table, tmp_path / "dict.parquet")
     assert [d.text for d in S.iter_documents(S.resolve([str(tmp_path / "dict.parquet")])[0])] == ["x", "y", "x"]
+
+
+def test_cheaders_is_three_domains_of_the_compilers_headers(tmp_path, monkeypatch):
+    root = tmp_path / "include"
+    files = {
+        "stdio.h": "int printf(const char *, ...);\n",
+        "x86_64-linux-gnu/bits/types.h": "typedef int __int32_t;\n",
+        "x86_64-linux-gnu/python3.11/pyconfig.h": "#define HAVE_PY 1\n",  # Python's: left out
+        "x86_64-linux-gnu/c++/12/bits/c++config.h": "#define CXX 1\n",  # C++'s multiarch config: left out
+        "linux/types.h": "typedef unsigned int __u32;\n",
+        "asm-generic/int-ll64.h": "typedef long long __s64;\n",
+        "c++/11/vector": "// old\n",
+        "c++/12/vector": "namespace std { template<class T> class vector; }\n",  # no suffix, the newest version
+        "c++/12/bits/stl_vector.h": "// vector\n",
+        "openssl/ssl.h": "// another library's own directory: left out\n",
+        "latin1.h": b"/* caf\xe9 */\n",  # not UTF-8: left out, as the standard library's are
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(text if isinstance(text, bytes) else text.encode())
+    monkeypatch.setattr(S, "cheaders_root", lambda: root)
+    (src,) = S.resolve(["cheaders"])
+    assert src.domains == S.CHEADERS_DOMAINS
+    docs = {(d.domain, d.doc_id) for d in S.iter_documents(src)}
+    assert docs == {
+        ("cheaders-libc", "stdio.h"),
+        ("cheaders-libc", "x86_64-linux-gnu/bits/types.h"),
+        ("cheaders-linux", "linux/types.h"),
+        ("cheaders-linux", "asm-generic/int-ll64.h"),
+        ("cheaders-cxx", "c++/12/vector"),
+        ("cheaders-cxx", "c++/12/bits/stl_vector.h"),
+    }
+    monkeypatch.setattr(S, "cheaders_root", lambda: tmp_path / "nowhere")
+    with pytest.raises(S.DataError, match="no C headers under .*libc6-dev"):
+        S.resolve(["cheaders"])
+
+
+def test_cheaders_on_this_machine_is_not_python():
+    root = S.cheaders_root()
+    if not S.cheaders_files(root):
+        pytest.skip(f"no C headers under {root} on this machine")
+    by_domain = {}
+    for domain, path in S.cheaders_files(root):
+        by_domain.setdefault(domain, []).append(path)
+        assert path.suffix != ".py" and "python" not in str(path.relative_to(root)).lower()
+    assert set(by_domain) == set(S.CHEADERS_DOMAINS)

@@ -209,7 +209,7 @@ def test_bad_ladder_file_is_refused(tmp_path):
 # ------------------------------------------------------------------ forecast and backtest on synthetic rungs
 
 from moelab.config import load_config, to_dict  # noqa: E402
-from moelab.ladder.forecast import FRACTIONS, backtest, forecast, rung_curve  # noqa: E402
+from moelab.ladder.forecast import FRACTIONS, ends, forecast_per_fraction, rung_curve  # noqa: E402
 
 
 def law(c):
@@ -246,7 +246,7 @@ def synthetic_rung(root, d, steps=100, bump=None):
 def test_forecast_recovers_the_curve_of_a_known_law(tmp_path):
     rungs = [rung_curve(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
     target = 1e14
-    fc = forecast(rungs, target, 1000, n_boot=30)
+    fc = forecast_per_fraction(rungs, target, 1000, n_boot=30)
     assert fc["fractions"] == FRACTIONS
     for f, pred, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"], strict=True):
         assert pred == pytest.approx(law(target * f), rel=0.01)
@@ -258,25 +258,30 @@ def test_the_forecast_at_a_fraction_uses_only_that_fractions_points(tmp_path):
     (tmp_path / "b").mkdir()
     clean = [rung_curve(synthetic_rung(tmp_path / "a", d)[0]) for d in (64, 96, 128)]
     bumped = [rung_curve(synthetic_rung(tmp_path / "b", d, bump=(10, 0.3))[0]) for d in (64, 96, 128)]  # at 50%
-    a, b = forecast(clean, 1e14, 1000, n_boot=5), forecast(bumped, 1e14, 1000, n_boot=5)
+    a, b = forecast_per_fraction(clean, 1e14, 1000, n_boot=5), forecast_per_fraction(bumped, 1e14, 1000, n_boot=5)
     changed = [f for f, x, y in zip(a["fractions"], a["loss"], b["loss"], strict=True) if abs(x - y) > 1e-9]
     assert changed == [0.5]
 
 
 def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
-    rungs = [rung_curve(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128, 160)]
-    res = backtest(rungs)
-    assert res["target"] and len(res["curve"]) == 20
-    assert max(abs(r["error"]) for r in res["curve"]) < 0.01  # the law is exact, so is the fit
-    assert len(res["ends"]) == 4 and max(abs(r["error"]) for r in res["ends"]) < 0.01
+    dirs = [synthetic_rung(tmp_path, d)[0] for d in (64, 96, 128, 160)]
+    res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    (bt,) = out["backtests"]
+    assert bt["target"] and len(bt["curve"]) == 20
+    assert max(abs(r["error"]) for r in bt["curve"]) < 0.01  # the law is exact, so is the fit
+    assert len(out["ends"]) == 4 and max(abs(r["error"]) for r in out["ends"]) < 0.01
+    assert ends([rung_curve(d) for d in dirs]) == out["ends"]
 
 
 def test_forecast_and_backtest_commands(tmp_path):
     dirs = [str(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
     out = tmp_path / "forecast.json"
     res = run_cli(
-        "ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=2000", "--out", str(out)
-    )
+        "ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=2000", "--law",
+        "per-fraction", "--out", str(out),
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     fc = json.loads(out.read_text())
     assert (
@@ -284,8 +289,8 @@ def test_forecast_and_backtest_commands(tmp_path):
         and fc["steps"][-1] == 2000
         and fc["loss"][-1] == pytest.approx(law(fc["target_flops"]), rel=0.01)
     )
-    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--json")
-    assert res.returncode == 0 and len(json.loads(res.stdout)["curve"]) == 20
+    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--law", "per-fraction", "--json")
+    assert res.returncode == 0 and len(json.loads(res.stdout)["backtests"][0]["curve"]) == 20
     res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "no config.json" in res.stderr
 

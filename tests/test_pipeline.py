@@ -92,3 +92,21 @@ def test_a_second_run_reuses_everything_and_registers_nothing_new(pipeline):
     assert [e for e in after if e["event"] == "forecast_registered"] == [
         e for e in before if e["event"] == "forecast_registered"
     ]
+
+
+def test_the_forecast_is_updated_as_the_target_trains_and_never_replaced(pipeline):
+    runner, _, steps = pipeline
+    target_dir = runner.out(steps["target"])
+    updates = read_jsonl(target_dir / "forecast_updates.jsonl")
+    journal = runner.journal.read()
+    noted = [e for e in journal if e["event"] == "forecast_updated"]
+    assert len(updates) >= 3 and [e["at_step"] for e in noted] == [u["at_step"] for u in updates]
+    finished = next(e for e in journal if e["event"] == "step_finished" and e["step"] == "target")
+    assert all(e["time"] < finished["time"] for e in noted)  # recorded while the target trained
+    text = (target_dir / "forecast.json").read_text()
+    reg = next(e for e in journal if e["event"] == "forecast_registered")
+    assert reg["hash"] == hashlib.sha256(text.encode()).hexdigest()[:12]  # the registered forecast stays
+    fc = json.loads(text)
+    assert updates[-1]["fit"] != fc["fit"] and updates[-1]["steps"] == fc["steps"]  # refitted with its own points
+    health = json.loads((runner.out(steps["health"]) / "health.json").read_text())["forecast"]
+    assert [p["predicted"] for p in health["points"]] == fc["loss"]  # judged against the registered one

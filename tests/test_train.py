@@ -265,6 +265,21 @@ def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run"), "--checkpoint", "7"]) == 2
 
 
+def test_eval_noise_on_disjoint_windows(corpus, tmp_path, capsys):
+    cfg = _micro(corpus, "train.steps=6", "train.eval_every=6", "train.eval_tokens=64")
+    train(cfg, tmp_path / "run", progress=False)
+    assert main(["eval", str(tmp_path / "run"), "--noise", "3", "--against", str(tmp_path / "run"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    final = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert res["sets"] == 3 and len(set(res["macro"])) == 3  # three different sets of windows
+    assert res["macro"][0] == pytest.approx(final["loss_dropless"]["macro"], rel=1e-6)  # the first is the usual one
+    assert res["relative_sd"] == pytest.approx(np.std(res["macro"], ddof=1) / np.mean(res["macro"]))
+    assert res["paired_relative_sd"] == pytest.approx(0.0, abs=1e-9)  # a run against itself: nothing left
+    cfg = _micro(corpus, "train.steps=2", "train.eval_every=2", "train.eval_tokens=100000")
+    train(cfg, tmp_path / "big", progress=False)
+    assert main(["eval", str(tmp_path / "big"), "--noise"]) == 2  # one set of windows only: refused
+
+
 def test_refuses_to_overwrite_and_to_resume_with_another_config(corpus, tmp_path, capsys):
     cfg = _micro(corpus, "train.steps=2", "train.eval_every=2")
     train(cfg, tmp_path / "run", progress=False)

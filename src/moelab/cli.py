@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, to_dict
+from moelab.ladder import DEFAULT_LAW, LAW_CHOICES
 
 
 class UsageError(Exception):
@@ -217,8 +218,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json as _json
 
-    from moelab.train.evaluate import evaluate_run
+    from moelab.train.evaluate import eval_noise, evaluate_run
 
+    if args.noise:
+        if not args.json:
+            print(
+                f"evaluating {args.run_dir} on up to {args.noise} disjoint sets of held-out windows ...",
+                file=sys.stderr,
+            )
+        res = eval_noise(args.run_dir, args.checkpoint, sets=args.noise, progress=not args.json, against=args.against)
+        if args.json:
+            print(_json.dumps(res, indent=1))
+            return 0
+        print(
+            f"{args.run_dir} at step {res['step']}: held-out loss (dropless, macro) on {res['sets']} disjoint window "
+            f"sets of {res['eval_tokens_per_domain']} tokens per domain: {' '.join(f'{x:.4f}' for x in res['macro'])}"
+        )
+        print(f"  the noise of one evaluation: {res['relative_sd']:.3%} of the loss (standard deviation across sets)")
+        if "paired_relative_sd" in res:
+            print(
+                f"  relative to {res['paired_with']} on the same windows: {res['paired_relative_sd']:.3%} (what does not cancel)"
+            )
+        for d, v in res["per_domain_relative_sd"].items():
+            print(f"  {d:<16} {v:.3%}")
+        return 0
     res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json)
     if args.json:
         print(_json.dumps(res, indent=1))
@@ -424,40 +447,84 @@ def cmd_ladder_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ladder_forecast(args: argparse.Namespace) -> int:
-    from moelab import accounting
-    from moelab.ladder.forecast import forecast, rung_curve
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
-    rungs = [rung_curve(d) for d in args.ladder]
+
+def cmd_ladder_forecast(args: argparse.Namespace) -> int:
+    from moelab.ladder.forecast import forecast
+
     cfg = load_config(args.target, args.overrides)
-    tokens = accounting.run_tokens(cfg)
-    target = accounting.count(cfg).train(tokens)["train_flops_without_lm_head"]
-    fc = forecast(rungs, target, cfg.train.steps, e=args.e)
-    if not fc["fractions"]:
-        raise UsageError("--ladder: fewer than two rungs have evaluations at the same fractions")
-    fc.update(target=cfg.name or args.target, target_flops=target, rungs=[r["dir"] for r in rungs], e=args.e)
+    fc = forecast(args.ladder, cfg, law=args.law, e=args.e, n_boot=args.n_boot, target_name=cfg.name or args.target,
+                  log=lambda text: print(text, file=sys.stderr))  # fmt: skip
     tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
-    tmp.write_text(json.dumps(fc, indent=1))
-    tmp.replace(args.out)
-    print(f"forecast for {fc['target']} ({target:.3g} FLOPs without the LM head) from {len(rungs)} rungs -> {args.out}")
+    try:
+        tmp.write_text(json.dumps(fc, indent=1))
+        tmp.replace(args.out)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write {args.out} ({exc.strerror or exc})") from None
+    print(
+        f"forecast for {fc['target']} by {fc['law']} ({fc['target_flops']:.3g} FLOPs without the LM head, "
+        f"{fc['target_steps']} steps) from {len(args.ladder)} rungs -> {args.out}"
+    )
+    if "fit" in fc:
+        print("  " + ", ".join(f"{k} {v:.4g}" for k, v in fc["fit"]["params"].items()))
     for f, s, loss, lo, hi in zip(fc["fractions"], fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True):
         print(f"  {f:>5.0%}  step {s:>8}  loss {loss:.4f}  [{lo:.4f}, {hi:.4f}]")
     return 0
 
 
-def cmd_ladder_backtest(args: argparse.Namespace) -> int:
-    from moelab.ladder.forecast import backtest, rung_curve
-
-    res = backtest([rung_curve(d) for d in args.ladder], e=args.e)
-    if args.json:
-        print(json.dumps(res, indent=1))
-        return 0
-    print(f"fit on the smaller rungs, predict {res['target']}:")
-    print(f"  {'fraction':>8} {'predicted':>10} {'actual':>8} {'error':>7}")
+def print_backtest(res: dict) -> None:
+    print(f"{res['law']}: fit on the rungs only, predict {res['target']}:")
+    print(f"  {'fraction':>8} {'step':>7} {'predicted':>10} {'band':>19} {'actual':>8} {'error':>7}")
     for r in res["curve"]:
-        print(f"  {r['fraction']:>8.0%} {r['predicted']:>10.4f} {r['actual']:>8.4f} {r['error']:>+7.2%}")
-    print("each rung's end from its own 60-80% window:")
-    for r in res["ends"]:
+        band = f"[{r['low']:.3f}, {r['high']:.3f}]"
+        print(
+            f"  {r['fraction']:>8.0%} {r['step']:>7} {r['predicted']:>10.4f} {band:>19} {r['actual']:>8.4f}"
+            f" {r['error']:>+7.2%}{'' if r['inside'] else '  outside'}"
+        )
+    print(
+        f"  past 20%: mean |error| {res['mean_abs_error_past_20']:.2%}, largest {res['max_abs_error_past_20']:.2%}; "
+        f"final {res['final_error']:+.2%}; inside the band at {res['coverage']:.0%} of the points"
+    )
+
+
+def cmd_ladder_backtest(args: argparse.Namespace) -> int:
+    from moelab.ladder.forecast import backtest, ends, rung_curve, rung_run
+    from moelab.ladder.law import LawError
+
+    runs = [rung_run(d) for d in args.ladder]
+    if args.target:
+        rungs, target = runs, rung_run(args.target)
+    else:  # the largest rung is the target: fit on the others
+        if len(runs) < 3:
+            raise UsageError(
+                "--ladder: give three or more rungs (the largest is predicted from the others), or --target"
+            )
+        *rungs, target = sorted(runs, key=lambda r: r.flops_per_token * r.tokens_per_step * r.total_steps)
+    laws = LAW_CHOICES if args.law == "all" else (args.law,)
+    out = []
+    for law in laws:
+        try:
+            out.append(backtest(rungs, target, law, n_boot=args.n_boot))
+        except LawError as exc:
+            raise UsageError(f"--ladder: {exc}") from None
+    marin_ends = ends([rung_curve(d) for d in args.ladder], e=args.e)
+    if args.json:
+        for res in out:
+            res.pop("forecast")
+        print(json.dumps({"backtests": out, "ends": marin_ends}, indent=1))
+        return 0
+    for res in out:
+        print_backtest(res)
+    print("each run's end from its own 60-80% window (Marin's check):")
+    for r in marin_ends:
         print(f"  {r['rung']:<24} predicted {r['predicted_end']:.4f}  actual {r['actual_end']:.4f}  {r['error']:+.2%}")
     return 0
 
@@ -580,6 +647,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out loss and bits per byte of a run's checkpoint")
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
+    p.add_argument(
+        "--noise",
+        type=_positive_int,
+        nargs="?",
+        const=8,
+        metavar="SETS",
+        help="the evaluation's own noise: the checkpoint on up to SETS (8) disjoint sets of held-out windows",
+    )
+    p.add_argument("--against", metavar="RUN_DIR", help="with --noise: also the noise of the ratio to this run's loss")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
@@ -644,17 +720,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_plan)
 
-    p = ladder.add_parser("forecast", help="the target's loss at every 5% of its run, from the ladder's rungs")
+    p = ladder.add_parser(
+        "forecast", help="the target's whole held-out loss curve, with a band, from the ladder's rungs"
+    )
     p.add_argument("--ladder", nargs="+", required=True, metavar="DIR", help="the rungs' run directories")
-    p.add_argument("--target", required=True, help="the target's preset or config YAML")
+    p.add_argument("--target", required=True, help="the target's preset or config YAML (its own schedule is forecast)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--e", type=float, help="fix the irreducible loss E (Marin: 1.5); default: fit it")
+    p.add_argument("--law", default=DEFAULT_LAW, choices=LAW_CHOICES, help=f"default {DEFAULT_LAW}")
+    p.add_argument("--e", type=float, help="per-fraction only: fix the irreducible loss E (Marin: 1.5)")
+    p.add_argument("--n-boot", type=_positive_int, default=200, help="bootstrap draws for the band (default 200)")
     p.add_argument("--out", required=True, help="forecast.json")
     p.set_defaults(func=cmd_ladder_forecast)
 
-    p = ladder.add_parser("backtest", help="predict the largest rung from the others; each rung's end from 60-80%")
-    p.add_argument("--ladder", nargs="+", required=True, metavar="DIR")
-    p.add_argument("--e", type=float, help="fix E; default: fit it")
+    p = ladder.add_parser(
+        "backtest", help="fit on the rungs, predict a run they never saw; each run's end from 60-80%%"
+    )
+    p.add_argument("--ladder", nargs="+", required=True, metavar="DIR", help="the rungs' run directories")
+    p.add_argument(
+        "--target", metavar="DIR", help="the run to predict (default: the largest of --ladder, from the others)"
+    )
+    p.add_argument("--law", default=DEFAULT_LAW, choices=(*LAW_CHOICES, "all"), help=f"default {DEFAULT_LAW}")
+    p.add_argument("--e", type=float, help="per-fraction only: fix E; default: fit it")
+    p.add_argument("--n-boot", type=_positive_int, default=100, help="bootstrap draws for the band (default 100)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_backtest)
 

@@ -146,6 +146,9 @@ class TrainConfig:
     poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
     inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.ladder.faults
     replans: tuple[str, ...] = ()  # horizon changes, AT:OLD->NEW steps, written by `moelab replan`
+    # with a joint-law forecast.json in the run: refit it with the run's own evaluations every this
+    # fraction of the run (0 = never); updates are recorded beside the registered forecast, never over it
+    forecast_update_every: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -520,6 +523,10 @@ def _check_train(t: TrainConfig) -> list[str]:
             e.append(f"train.replans: {exc}")
     if not 0.0 <= t.decay_frac <= 1.0:
         e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
+    if not 0.0 <= t.forecast_update_every <= 1.0:
+        e.append(
+            f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
+        )
     if t.muon_lr_ratio <= 0:
         e.append(f"train.muon_lr_ratio: must be > 0, got {t.muon_lr_ratio}")
     for n in ("beta1", "beta2"):

@@ -1,6 +1,6 @@
 """`make demo`: Marin's hero and ladder as moelab counts them, then the ladder experiment.
 
-The experiment (experiments/exp5_ladder_forecast.py) goes through `moelab run`: its declaration
+The experiment (experiments/exp13_ladder_forecast.py) goes through `moelab run`: its declaration
 and prediction are journaled; three tiny rungs train on the standard library (tokenizer, token
 store, evals every 5%, checkpoints); the target's whole curve is forecast from them and the
 forecast registered in the journal; the target trains, monitored against the forecast and the
@@ -76,7 +76,7 @@ def print_layer_table(rec: dict) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "experiments" / "exp5_ladder_forecast.py"
+EXAMPLE = ROOT / "experiments" / "exp13_ladder_forecast.py"
 DEMO_LADDER = ROOT / "ladders" / "demo.yaml"
 
 
@@ -84,8 +84,10 @@ def print_forecast(health: dict) -> None:
     fc = health.get("forecast")
     if not fc:
         return
-    print("\n  the registered forecast against the target's held-out loss (dropless, macro):")
-    print(f"  {'fraction':>8} {'step':>6} {'forecast':>9} {'band (5-95%)':>18} {'actual':>8} {'error':>7}")
+    print(
+        f"\n  the registered forecast ({fc.get('law', 'per-fraction')}) against the target's held-out loss (dropless, macro):"
+    )
+    print(f"  {'fraction':>8} {'step':>6} {'forecast':>9} {'band (90%)':>18} {'actual':>8} {'error':>7}")
     for p in fc["points"]:
         band = f"[{p['low']:.3f}, {p['high']:.3f}]"
         print(
@@ -93,9 +95,14 @@ def print_forecast(health: dict) -> None:
             f" {p['error']:>+7.2%}"
         )
     print(
-        f"  mean |error| {fc['mean_abs_error_pct']:.2f}%, largest {fc['max_abs_error_pct']:.2f}%, final "
-        f"{fc['final_error_pct']:+.2f}%; inside the band at {fc['inside_band']} of {len(fc['points'])} points"
+        f"  mean |error| {fc['mean_abs_error_pct']:.2f}%, largest {fc['max_abs_error_pct']:.2f}%; past 20% of the run:"
+        f" mean {fc.get('mean_abs_error_past_20_pct', float('nan')):.2f}%, largest "
+        f"{fc.get('max_abs_error_past_20_pct', float('nan')):.2f}%; final {fc['final_error_pct']:+.2f}%"
     )
+    band = fc.get("final_band_pct")
+    if band:
+        print(f"  the final band: {band[0]:+.2f}% to {band[1]:+.2f}% of the forecast")
+    print(f"  inside the band at {fc['inside_band']} of {len(fc['points'])} points")
 
 
 def print_health(health: dict) -> None:
@@ -144,6 +151,15 @@ def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str 
             f"\nforecast registered in the journal before the target trained: hash {r['hash']}, "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['time']))}"
         )
+    for step in exp.all_steps():
+        updates = read_jsonl(runner.out(step) / "forecast_updates.jsonl")
+        if updates:
+            u = updates[-1]
+            print(
+                f"\n{step.name}: the forecast refitted {len(updates)} times with the run's own evaluations (recorded "
+                f"as updates; the registered forecast is what is judged); the last, at step {u['at_step']}: final "
+                f"{u['final']['loss']:.4f} [{u['final']['low']:.4f}, {u['final']['high']:.4f}]"
+            )
     for step in exp.all_steps():
         health = runner.out(step) / "health.json"
         if health.exists():

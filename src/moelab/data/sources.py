@@ -1,9 +1,13 @@
 """Data sources: each source is one or more domains of documents.
 
 A source is a directory (text files, recursively), a ``.jsonl`` / ``.jsonl.gz`` file, a
-``.parquet`` file, or ``stdlib``: the running interpreter's standard library, as three domains
-(library code, its test suite, and the prose of ``pydoc_data``). Bad input raises DataError
-with one line that names the file (and line).
+``.parquet`` file, or a built-in corpus that every machine with Python and a C compiler has:
+- ``stdlib``: the running interpreter's standard library, as three domains (library code, its
+  test suite, and the prose of ``pydoc_data``);
+- ``cheaders``: the C and C++ headers that ship with the system compiler, as three domains (the C
+  library's, the Linux kernel's and the C++ standard library's), a second real corpus that is not
+  Python, kept for checking that what works on ``stdlib`` carries over.
+Bad input raises DataError with one line that names the file (and line).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".markdown", ".tex", ".html", ".c", ".h", ".js", ".toml")
 STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
+CHEADERS_DOMAINS = ("cheaders-libc", "cheaders-linux", "cheaders-cxx")
+BUILTIN = ("stdlib", "cheaders")
 TEST_DIRS = {"test", "tests", "idle_test"}
 
 
@@ -37,7 +43,7 @@ class Document:
 @dataclass(frozen=True)
 class Source:
     spec: str  # as the user wrote it
-    kind: str  # stdlib | dir | jsonl | parquet
+    kind: str  # stdlib | cheaders | dir | jsonl | parquet
     path: Path | None
     domains: tuple[str, ...]
 
@@ -57,6 +63,14 @@ def resolve(specs: tuple[str, ...] | list[str]) -> list[Source]:
     for spec in specs:
         if spec == "stdlib":
             src = Source(spec, "stdlib", stdlib_root(), STDLIB_DOMAINS)
+        elif spec == "cheaders":
+            root = cheaders_root()
+            if not cheaders_files(root):
+                raise DataError(
+                    f"cheaders: no C headers under {root}; install the C compiler's headers (Debian: "
+                    "libc6-dev, linux-libc-dev, libstdc++-dev) or name a directory of text instead"
+                )
+            src = Source(spec, "cheaders", root, CHEADERS_DOMAINS)
         else:
             path = Path(spec).expanduser()
             if not path.exists():
@@ -114,6 +128,40 @@ def _iter_stdlib() -> Iterator[Document]:
         yield Document(domain, str(path.relative_to(root)), text)
     for name, text in _pydoc_topics().items():
         yield Document("stdlib-docs", f"pydoc_data/topics/{name}", text)
+
+
+def cheaders_root() -> Path:
+    return Path("/usr/include")
+
+
+def cheaders_files(root: Path) -> list[tuple[str, Path]]:
+    """(domain, path) of the compiler's headers, in a stable order: the C library's (``*.h`` at the
+    top and the multiarch directory's, e.g. x86_64-linux-gnu/{bits,sys,gnu}), the kernel's (linux/,
+    asm-generic/) and the newest C++ standard library's (c++/N/, its headers mostly without suffix)."""
+    if not root.is_dir():
+        return []
+    out = [("cheaders-libc", p) for p in sorted(root.glob("*.h")) if p.is_file()]
+    for arch in sorted(root.glob("*-linux-gnu*")):
+        if arch.is_dir():
+            out += [("cheaders-libc", p) for p in sorted(arch.rglob("*")) if p.is_file()
+                    and not {"c++", "python"} & {x.split(".")[0].rstrip("0123456789") for x in p.relative_to(arch).parts[:-1]}]  # fmt: skip
+    for sub in ("linux", "asm-generic"):
+        out += [("cheaders-linux", p) for p in sorted((root / sub).rglob("*")) if p.is_file()]
+    versions = sorted((p for p in (root / "c++").glob("*") if p.is_dir() and p.name.split(".")[0].isdigit()),
+                      key=lambda p: [int(x) for x in p.name.split(".") if x.isdigit()])  # fmt: skip
+    if versions:
+        out += [("cheaders-cxx", p) for p in sorted(versions[-1].rglob("*")) if p.is_file()]
+    return out
+
+
+def _iter_cheaders(src: Source) -> Iterator[Document]:
+    assert src.path is not None
+    for domain, path in cheaders_files(src.path):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a header in another encoding is left out, as the standard library's are
+        yield Document(domain, str(path.relative_to(src.path)), text)
 
 
 def _text_files(root: Path) -> list[Path]:
@@ -187,6 +235,8 @@ def _iter_parquet(src: Source, field: str) -> Iterator[Document]:
 def iter_documents(src: Source, text_field: str = "text") -> Iterator[Document]:
     if src.kind == "stdlib":
         yield from _iter_stdlib()
+    elif src.kind == "cheaders":
+        yield from _iter_cheaders(src)
     elif src.kind == "dir":
         yield from _iter_dir(src)
     elif src.kind == "jsonl":
@@ -203,7 +253,10 @@ def fingerprint(src: Source) -> list:
 
         return [sys.version, len(files), sum(p.stat().st_size for p in files)]
     assert src.path is not None
-    files = _text_files(src.path) if src.kind == "dir" else [src.path]
+    if src.kind == "cheaders":
+        files = [p for _, p in cheaders_files(src.path)]
+    else:
+        files = _text_files(src.path) if src.kind == "dir" else [src.path]
     return [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from moelab.lab.graph import Experiment, Step, resolve, verdict
-from moelab.lab.journal import Journal
+from moelab.lab.journal import RUNNING, Journal
 from moelab.train.record import git_state, host, versions
 
 
@@ -238,6 +238,7 @@ class Runner:
             out.mkdir(parents=True, exist_ok=True)
             config = resolve(step.config, lambda s: str(self.out(s)))
             started = time.time()
+            running = RUNNING.set((self.journal, step.name, step.dirname()))
             try:
                 outcome = (call or step.fn)(config, out)
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
@@ -255,6 +256,8 @@ class Runner:
                 if not isinstance(exc, Exception):
                     raise
                 return "FAILED", None
+            finally:
+                RUNNING.reset(running)
             if lease.lost:
                 self.journal.write("lease_lost", step=step.name, dir=step.dirname())
             outcome = dict(outcome or {})

@@ -8,6 +8,7 @@ recorded as a new version; the old one stays.
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import hashlib
 import json
@@ -15,6 +16,10 @@ import time
 from pathlib import Path
 
 from moelab.lab.graph import Experiment
+
+# (journal, step name, step dir) of the step running in this thread, so that a step can record what
+# happens while it runs (a forecast's updates), not only what its outcome carries at the end
+RUNNING = contextvars.ContextVar("moelab_running_step", default=None)
 
 
 class Journal:

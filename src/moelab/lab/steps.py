@@ -25,8 +25,19 @@ def _train(cfg: dict, out: Path) -> dict:
         tmp = out / ".forecast.json.tmp"
         shutil.copyfile(cfg["forecast"], tmp)
         tmp.replace(out / "forecast.json")
+    from moelab.lab.journal import RUNNING
+
+    on_update = None
+    running = RUNNING.get()
+    if running is not None:  # each refit of the forecast goes into the journal as it happens
+        journal, name, dirname = running
+
+        def on_update(upd: dict) -> None:
+            journal.write("forecast_updated", step=name, dir=dirname, at_step=upd["at_step"], law=upd["law"],
+                          final=upd["final"], note="an update; the registered forecast stays what is judged")  # fmt: skip
+
     # resume=True: a rerun of a failed step continues from its newest checkpoint
-    return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True))
+    return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update)
 
 
 def _estimate(cfg: dict) -> dict:
@@ -78,16 +89,11 @@ def _forecast(cfg: dict, out: Path) -> dict:
     import hashlib
     import json
 
-    from moelab import accounting
-    from moelab.ladder.forecast import forecast, rung_curve
+    from moelab.ladder.forecast import forecast
+    from moelab.ladder.law import DEFAULT_LAW
 
     target = _config(cfg["target"])
-    rungs = [rung_curve(d) for d in cfg["rungs"]]
-    flops = accounting.count(target).train(accounting.run_tokens(target))["train_flops_without_lm_head"]
-    fc = forecast(rungs, flops, target.train.steps, e=cfg.get("e"))
-    if not fc["fractions"]:
-        raise ValueError("forecast: fewer than two rungs have evaluations at the same fractions")
-    fc.update(target=target.name, target_flops=flops, rungs=list(cfg["rungs"]), e=cfg.get("e"))
+    fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"))
     text = json.dumps(fc, indent=1)
     tmp = out / ".forecast.json.tmp"
     tmp.write_text(text)
@@ -96,8 +102,9 @@ def _forecast(cfg: dict, out: Path) -> dict:
     final = {"loss": fc["loss"][-1], "low": fc["low"][-1], "high": fc["high"][-1], "fraction": fc["fractions"][-1]}
     return {
         "hash": digest,
+        "law": fc["law"],
         "target": target.name,
-        "target_flops": flops,
+        "target_flops": fc["target_flops"],
         "final": final,
         # the runner writes these into the experiment's journal before any step that needs this one starts
         "journal": [
@@ -105,6 +112,7 @@ def _forecast(cfg: dict, out: Path) -> dict:
                 "event": "forecast_registered",
                 "hash": digest,
                 "path": str(out / "forecast.json"),
+                "law": fc["law"],
                 "target": target.name,
                 "target_steps": target.train.steps,
                 "final_loss": final["loss"],
@@ -115,10 +123,12 @@ def _forecast(cfg: dict, out: Path) -> dict:
     }
 
 
-def forecast_step(name: str, rungs: list, target, *, e: float | None = None) -> Step:
-    """Forecast ``target`` (a Config) from ``rungs`` (``output_of(rung)`` each): forecast.json, its
-    hash registered in the journal before the target trains."""
+def forecast_step(name: str, rungs: list, target, *, law: str | None = None, e: float | None = None) -> Step:
+    """Forecast ``target`` (a Config) from ``rungs`` (``output_of(rung)`` each) by ``law`` (default:
+    moelab.ladder.law.DEFAULT_LAW; ``per-fraction`` is Marin's form): forecast.json, its hash
+    registered in the journal before the target trains."""
     from moelab.config import to_dict
+    from moelab.ladder.law import DEFAULT_LAW
 
     return Step(
         name=name,
@@ -126,6 +136,7 @@ def forecast_step(name: str, rungs: list, target, *, e: float | None = None) -> 
         config={
             "rungs": versioned(list(rungs)),
             "target": {"resolved": versioned(to_dict(target))},
+            "law": versioned(law or DEFAULT_LAW),
             "e": versioned(e),
         },
     )
@@ -153,11 +164,20 @@ def _health(cfg: dict, out: Path) -> dict:
         ]  # fmt: skip
         if points:
             errs = np.array([p["error"] for p in points])
+            late = np.array([abs(p["error"]) for p in points if p["fraction"] > 0.2 + 1e-9] or [np.nan])
+            last = points[-1]
             result["forecast"] = {
+                "law": fc.get("law", "per-fraction"),
                 "points": points,
-                "final_error_pct": 100 * points[-1]["error"],
+                "final_error_pct": 100 * last["error"],
                 "mean_abs_error_pct": float(100 * np.mean(np.abs(errs))),
                 "max_abs_error_pct": float(100 * np.max(np.abs(errs))),
+                "mean_abs_error_past_20_pct": float(100 * np.mean(late)),
+                "max_abs_error_past_20_pct": float(100 * np.max(late)),
+                "final_band_pct": [
+                    100 * (last["low"] / last["predicted"] - 1),
+                    100 * (last["high"] / last["predicted"] - 1),
+                ],
                 "inside_band": int(sum(p["low"] <= p["actual"] <= p["high"] for p in points)),
             }
     (out / "health.json").write_text(json.dumps(result, indent=1))

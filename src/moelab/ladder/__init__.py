@@ -1,1 +1,7 @@
 """The scaling ladder: rungs, fits, forecasts, health checks, fault injection and re-planning."""
+
+# the laws a forecast can be made by (moelab.ladder.law, moelab.ladder.forecast); here so that the
+# command line can name them without importing the fitting code
+LAWS = ("multi-power", "lr-annealing", "chinchilla")
+DEFAULT_LAW = "lr-annealing"
+LAW_CHOICES = (*LAWS, "per-fraction")

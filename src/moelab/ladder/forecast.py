@@ -1,42 +1,109 @@
-"""The forecast: at every 5% of training, fit L(C) = E + A * C^-alpha across the ladder's rungs
-and extrapolate to the target's compute at that same fraction; and the backtests that check it.
+"""The forecast: the target's whole held-out loss curve from the ladder's rungs, with a band; and the
+backtests that check it.
 
-C is training FLOPs up to that point, without the LM head by default (Marin's choice); L is the
-held-out macro loss, dropless. The fit at a fraction uses only the rungs' points at that fraction.
+Two ways to forecast:
+- a joint law (moelab.ladder.law; the default, ``multi-power``): one fit through every evaluation
+  of every rung, given each run's size and learning-rate schedule, read at the target's own size
+  and schedule (so a re-planned horizon or another schedule is forecast as it will run);
+- ``per-fraction``, Marin's form kept as the baseline: at every 5% of training L(C) = E + A * C^-alpha
+  across the rungs' points at that fraction, extrapolated to the target's compute at that fraction
+  (C = training FLOPs up to that point without the LM head).
+
+The band of a joint law is a parametric bootstrap from the fit's own residuals: each rung's curve
+sits off the law by an offset of its own (a seed, a shape) plus noise from point to point, both
+measured from the residuals. Synthetic ladders are drawn from the fitted law with that noise, the
+law refitted to each, and the target read with an offset and noise of its own; the band is the
+5th-95th percentile of those readings. Four rungs measure the offsets' spread with few degrees of
+freedom, so each draw first draws that spread from its sampling distribution (a scaled inverse
+chi-square): the band widens as a Student t does, instead of trusting a spread seen in four numbers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from moelab import accounting
 from moelab.config import Config, config_from_dict
+from moelab.ladder import law as L
 from moelab.ladder.fits import fit_power
 from moelab.train.record import read_jsonl
 
 FRACTIONS = [k / 20 for k in range(1, 21)]
+LAW_CHOICES = L.LAW_CHOICES
+MIN_FRACTION = 0.1  # a joint law is fitted to evaluations from this fraction of each run on
+LEVEL = 0.9  # the band's nominal coverage
 
 
 class ForecastError(ValueError):
     """Rungs that cannot be used; one line naming the directory."""
 
 
-def _flops(cfg: Config, with_head: bool) -> float:
-    out = accounting.count(cfg).train(accounting.run_tokens(cfg))
-    return out["train_flops"] if with_head else out["train_flops_without_lm_head"]
+# ------------------------------------------------------------------------------------ inputs
+
+
+def lr_schedule(cfg: Config) -> np.ndarray:
+    """The rate applied by each update of the run (re-plans included), as a multiple of its peak."""
+    import jax.numpy as jnp
+
+    from moelab.train import optim
+
+    h = optim.hyper(cfg)
+    return np.asarray(optim.lr_factor(jnp.arange(h.total_steps), h), np.float64)
+
+
+def _run_config(run_dir: Path) -> Config:
+    if not (run_dir / "config.json").is_file():
+        raise ForecastError(f"{run_dir}: no config.json; is this a training run?")
+    try:
+        return config_from_dict(json.loads((run_dir / "config.json").read_text())["config"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ForecastError(f"{run_dir}/config.json: not a run's config ({exc})") from None
+
+
+def target_run(cfg: Config, name: str | None = None, steps=None) -> L.Run:
+    """The law's view of a run not yet trained: its size, its schedule, and where it will be evaluated."""
+    from moelab.train.loop import eval_points
+
+    a = accounting.count(cfg)
+    lr = lr_schedule(cfg)
+    at = np.array(sorted(eval_points(cfg, len(lr)) - {0}), float) if steps is None else np.asarray(steps, float)
+    return L.Run(name or cfg.name or "target", a.active_params, cfg.train.batch_size * cfg.model.seq_len, lr, at,
+                 None, 3 * a.forward_flops_per_token_without_lm_head)  # fmt: skip
+
+
+def rung_run(run_dir: str | Path, metric: str = "loss_dropless") -> L.Run:
+    """A trained run as the law sees it: its held-out macro loss at every evaluation after step 0."""
+    run_dir = Path(run_dir)
+    cfg = _run_config(run_dir)
+    points = {}
+    for rec in read_jsonl(run_dir / "metrics.jsonl"):
+        if rec.get("kind") == "eval" and rec.get("step", 0) > 0 and metric in rec:
+            points[rec["step"]] = rec[metric]["macro"]  # a resumed run's repeat replaces the first
+    if not points:
+        raise ForecastError(f"{run_dir}: no held-out evaluations after step 0")
+    steps = np.array(sorted(points), float)
+    run = target_run(cfg, cfg.name or run_dir.name, steps)
+    if steps[-1] > run.total_steps:
+        raise ForecastError(f"{run_dir}: evaluations past the run's {run.total_steps} steps")
+    loss = np.array([points[s] for s in sorted(points)])
+    if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
+        raise ForecastError(f"{run_dir}: a held-out loss is not a finite positive number")
+    run = run.with_loss(steps, loss)
+    run.dir = str(run_dir)
+    return run
 
 
 def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bool = False) -> dict:
-    """A rung's held-out macro loss at each 5% of its run, with its compute at that point."""
+    """A rung's held-out macro loss at each 5% of its run, with its compute (the per-fraction form)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").exists():
-        raise ForecastError(f"{run_dir}: no config.json; is this a training run?")
-    cfg = config_from_dict(json.loads((run_dir / "config.json").read_text())["config"])
+    cfg = _run_config(run_dir)
     steps = cfg.train.steps
-    total = _flops(cfg, with_head)
+    out = accounting.count(cfg).train(accounting.run_tokens(cfg))
+    total = out["train_flops"] if with_head else out["train_flops_without_lm_head"]
     points = {}
     for rec in read_jsonl(run_dir / "metrics.jsonl"):
         if rec.get("kind") != "eval" or rec["step"] == 0:
@@ -46,16 +113,26 @@ def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bo
             points[k] = rec[metric]["macro"]
     if not points:
         raise ForecastError(f"{run_dir}: no held-out evaluations at 5% points of its run")
-    return {
-        "dir": str(run_dir),
-        "name": cfg.name or run_dir.name,
-        "steps": steps,
-        "flops": total,
-        "fractions": {k / 20: v for k, v in sorted(points.items())},
-    }
+    return {"dir": str(run_dir), "name": cfg.name or run_dir.name, "steps": steps, "flops": total,
+            "fractions": {k / 20: v for k, v in sorted(points.items())}}  # fmt: skip
 
 
-def forecast(
+def _curve_of(run: L.Run) -> dict:
+    """The per-fraction form's view of a law.Run: its points at 5% fractions and its total compute."""
+    steps = run.total_steps
+    fr = {}
+    for s, v in zip(run.steps, run.loss if run.loss is not None else [], strict=False):
+        k = round(s * 20 / steps)
+        if abs(s - k * steps / 20) <= 0.5 and 1 <= k <= 20:
+            fr[k / 20] = float(v)
+    return {"dir": run.dir, "name": run.name, "steps": steps, "flops": run.flops_per_token * run.tokens_per_step * steps,
+            "fractions": dict(sorted(fr.items()))}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ per-fraction
+
+
+def forecast_per_fraction(
     rungs: list[dict], target_flops: float, target_steps: int, e: float | None = None, n_boot: int = 100
 ) -> dict:
     """Predicted loss of the target at every 5%, from the rungs' points at that same 5%."""
@@ -90,30 +167,337 @@ def _boot_predictions(c: np.ndarray, loss: np.ndarray, e: float | None, ct: floa
     return np.array(preds) if preds else np.array([np.nan])
 
 
-def backtest(rungs: list[dict], e: float | None = None) -> dict:
-    """Fit on all rungs but the largest, predict the largest's whole curve; and Marin's check:
-    each rung's end extrapolated from its own 60-80% window."""
-    rungs = sorted(rungs, key=lambda r: r["flops"])
-    *small, big = rungs
-    fc = forecast(small, big["flops"], big["steps"], e=e, n_boot=50)
-    errors = []
-    for f, pred in zip(fc["fractions"], fc["loss"], strict=True):
-        if f in big["fractions"]:
-            actual = big["fractions"][f]
-            errors.append({"fraction": f, "predicted": pred, "actual": actual, "error": pred / actual - 1})
-    ends = []
+# ---------------------------------------------------------------------------- joint law
+
+
+def fitted(runs: list[L.Run], min_fraction: float = MIN_FRACTION) -> list[L.Run]:
+    """Each run cut to its evaluations from ``min_fraction`` of its run on (the fast early drop
+    before that is warm-up and transient, not the law's business)."""
+    out = []
+    for r in runs:
+        keep = r.steps >= min_fraction * r.total_steps - 0.5
+        if np.any(keep):
+            cut = r.with_loss(r.steps[keep], r.loss[keep])
+            cut.dir = r.dir
+            out.append(cut)
+    return out
+
+
+def estimate_noise(fit: L.LawFit, runs: list[L.Run]) -> dict:
+    """The residuals' structure (log-loss): each run's offset from the law and the noise about it.
+
+    rung: the spread of the offsets, with two of the runs' degrees of freedom spent on the size term
+    (A, alpha); point: the spread about each run's offset; rho: its lag-1 autocorrelation."""
+    res = [np.log(r.loss) - np.log(np.maximum(fit.predict(r), 1e-9)) for r in runs]
+    means = np.array([x.mean() for x in res])
+    within = [x - x.mean() for x in res]
+    n = sum(len(x) for x in res)
+    point = math.sqrt(sum(float(np.sum(w * w)) for w in within) / max(n - len(res), 1))
+    num = sum(float(np.sum(w[1:] * w[:-1])) for w in within if len(w) > 1)
+    den = sum(float(np.sum(w * w)) for w in within if len(w) > 1)
+    rho = float(np.clip(num / den, 0.0, 0.95)) if den > 0 else 0.0
+    dof = max(len(res) - 2, 1)
+    inflate = (1 + rho) / (1 - rho)  # the variance of a mean of autocorrelated points
+    mean_var = float(np.mean([point**2 * inflate / len(x) for x in res]))
+    rung = math.sqrt(max(float(np.sum(means**2)) / dof - mean_var, 1e-8))
+    return {"rung": rung, "point": point, "rho": rho, "dof": dof, "offsets": [float(m) for m in means]}
+
+
+def _ar1(rng, n: int, sigma: float, rho: float) -> np.ndarray:
+    e = np.empty(n)
+    e[0] = rng.normal(0.0, sigma)
+    innov = sigma * math.sqrt(1.0 - rho * rho)
+    for i in range(1, n):
+        e[i] = rho * e[i - 1] + rng.normal(0.0, innov)
+    return e
+
+
+def draw_ladder(rng, fit: L.LawFit, runs: list[L.Run], noise: dict, rung_sd: float | None = None) -> list[L.Run]:
+    """Synthetic runs: the law's values at each run's points, each run off by an offset of its own
+    (sd ``rung_sd``, the measured one by default) and noisy from point to point."""
+    sd = noise["rung"] if rung_sd is None else rung_sd
+    out = []
+    for r in runs:
+        dev = rng.normal(0.0, sd) + _ar1(rng, len(r.steps), noise["point"], noise["rho"])
+        out.append(r.with_loss(r.steps, fit.predict(r) * np.exp(dev)))
+    return out
+
+
+def corrected_noise(fit: L.LawFit, runs: list[L.Run], noise: dict, rng, draws: int = 30) -> dict:
+    """The residuals' noise with its bias removed. A law of several parameters absorbs part of
+    every rung's offset and of the noise about it, so the residuals read them low (with four rungs,
+    by half or more). Ladders drawn with the estimate and refitted show by how much: each spread is
+    scaled by estimate / (its re-estimate on those ladders), the autocorrelation moved by its shift."""
+    seen = []
+    for _ in range(draws):
+        synth = draw_ladder(rng, fit, runs, noise)
+        try:
+            seen.append(estimate_noise(L.fit_law(synth, fit.law, start=fit), synth))
+        except L.LawError:
+            continue
+    if not seen:
+        return dict(noise)
+    out = dict(noise)
+    for key in ("rung", "point"):
+        again = math.sqrt(np.mean([x[key] ** 2 for x in seen]))
+        out[key] = noise[key] * noise[key] / max(again, 1e-12)
+    out["rho"] = float(np.clip(2 * noise["rho"] - np.mean([x["rho"] for x in seen]), 0.0, 0.95))
+    # how well the rung spread is known: the re-estimates' spread, read as a chi-square's degrees of freedom
+    v = np.array([x["rung"] ** 2 for x in seen])
+    if len(v) > 2 and v.var() > 0:
+        out["dof"] = float(np.clip(2 * v.mean() ** 2 / v.var(), 1.0, noise["dof"]))
+    out["measured"] = {k: noise[k] for k in ("rung", "point", "rho")}
+    return out
+
+
+def joint_band(
+    fit: L.LawFit, runs: list[L.Run], target: L.Run, noise: dict, n_boot: int = 200, level: float = LEVEL, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The band (low, high) for the target's measured loss at its steps: see the module's docstring.
+    ``noise`` is the corrected one (``corrected_noise``)."""
+    rng = np.random.default_rng(seed)
+    base = fit.predict(target)
+    draws = []
+    for _ in range(n_boot):
+        sd = noise["rung"] * math.sqrt(noise["dof"] / rng.chisquare(noise["dof"]))
+        synth = draw_ladder(rng, fit, runs, noise, sd)
+        try:
+            refit = L.fit_law(synth, fit.law, start=fit)
+        except L.LawError:
+            continue
+        dev = rng.normal(0.0, sd) + _ar1(rng, len(target.steps), noise["point"], noise["rho"])
+        draws.append(refit.predict(target) * np.exp(dev))
+    if not draws:
+        return base, base
+    draws = np.array(draws)
+    q = (1 - level) / 2
+    return np.quantile(draws, q, axis=0), np.quantile(draws, 1 - q, axis=0)
+
+
+def forecast_joint(
+    rungs: list[L.Run],
+    target: L.Run,
+    law: str = L.DEFAULT_LAW,
+    n_boot: int = 200,
+    level: float = LEVEL,
+    min_fraction: float = MIN_FRACTION,
+    curve_points: int = 100,
+    correct: bool = True,
+) -> dict:
+    """The target's loss at its evaluation steps (and on a dense grid for plots), with the band.
+    ``correct=False`` draws the band from the residuals' noise as read (too low; for comparison)."""
+    use = fitted(rungs, min_fraction)
+    fit = L.fit_law(use, law)
+    noise = estimate_noise(fit, use)
+    if correct:
+        noise = corrected_noise(fit, use, noise, np.random.default_rng(1))
+    grid = np.unique(np.concatenate([np.linspace(1, target.total_steps, curve_points).round(), target.steps]))
+    dense = L.Run(target.name, target.n, target.tokens_per_step, target.lr, grid, None, target.flops_per_token)
+    low, high = joint_band(fit, use, dense, noise, n_boot, level)
+    pred = fit.predict(dense)
+    at = np.searchsorted(grid, target.steps)
+    steps = [int(s) for s in target.steps]
+    return {
+        "law": law,
+        "fit": fit.to_dict(),
+        "noise": noise,
+        "band": {"level": level, "n_boot": n_boot, "method": "parametric bootstrap: rung offsets and AR(1) noise"},
+        "min_fraction": min_fraction,
+        "fractions": [s / target.total_steps for s in steps],
+        "steps": steps,
+        "loss": [float(x) for x in pred[at]],
+        "low": [float(x) for x in low[at]],
+        "high": [float(x) for x in high[at]],
+        "curve": {"steps": [int(s) for s in grid], "loss": pred.tolist(), "low": low.tolist(), "high": high.tolist()},
+    }
+
+
+# --------------------------------------------------------------------------------- one entry
+
+
+def forecast(
+    rung_dirs: list,
+    target_cfg: Config,
+    law: str = L.DEFAULT_LAW,
+    e: float | None = None,
+    n_boot: int = 200,
+    target_name: str | None = None,
+    log=None,
+) -> dict:
+    """forecast.json for ``target_cfg`` from the rungs' run directories, by ``law``; ``log(text)``
+    hears what it is doing once the rungs are read."""
+    if law not in LAW_CHOICES:
+        raise ForecastError(f"--law: unknown law {law!r} (known: {', '.join(LAW_CHOICES)})")
+    target = target_run(target_cfg, target_name)
+    flops = target.flops_per_token * target.tokens_per_step * target.total_steps
+    if law == "per-fraction":
+        curves = [rung_curve(d) for d in rung_dirs]
+        if log:
+            log(f"fitting {law} at every 5% across {len(curves)} rungs, with a bootstrap band ...")
+        fc = forecast_per_fraction(curves, flops, target.total_steps, e=e, n_boot=n_boot)
+        if not fc["fractions"]:
+            raise ForecastError("--ladder: fewer than two rungs have evaluations at the same fractions")
+        fc["law"] = law
+    else:
+        runs = [rung_run(d) for d in rung_dirs]
+        try:
+            L.check(fitted(runs), law)
+        except L.LawError as exc:
+            raise ForecastError(f"--ladder: {exc}") from None
+        if log:
+            log(
+                f"fitting {law} to {sum(len(r.steps) for r in runs)} evaluations of {len(runs)} rungs and drawing its band ..."
+            )
+        try:
+            fc = forecast_joint(runs, target, law, n_boot=n_boot)
+        except L.LawError as exc:
+            raise ForecastError(f"--ladder: {exc}") from None
+    fc.update(
+        target=target.name, target_flops=flops, target_steps=target.total_steps, rungs=[str(d) for d in rung_dirs], e=e
+    )
+    return fc
+
+
+def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot: int = 100) -> dict:
+    """Fit on ``rungs`` only and predict ``target``'s measured curve: the error at each evaluation,
+    the mean and largest past 20% of the run, the final one, and how often the band held the truth."""
+    if law == "per-fraction":
+        curves = [_curve_of(r) for r in rungs]
+        tc = _curve_of(target)
+        fc = forecast_per_fraction(curves, tc["flops"], target.total_steps, n_boot=n_boot)
+        actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
+        pts = [
+            (s, p, lo, hi)
+            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True)
+            if s in actual
+        ]
+    else:
+        blind = L.Run(
+            target.name, target.n, target.tokens_per_step, target.lr, target.steps, None, target.flops_per_token
+        )
+        fc = forecast_joint(rungs, blind, law, n_boot=n_boot)  # the target's losses never reach the fit
+        actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
+        pts = list(zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True))
+    rows = [
+        {"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
+         "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
+        for s, p, lo, hi in pts
+    ]  # fmt: skip
+    return {"law": law, "target": target.name, "curve": rows, **summarize(rows), "forecast": fc}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean and largest |error| past 20% of the run, the final error, and the band's coverage."""
+    late = [r for r in rows if r["fraction"] > 0.2 + 1e-9]
+    return {
+        "mean_abs_error_past_20": float(np.mean([abs(r["error"]) for r in late])) if late else math.nan,
+        "max_abs_error_past_20": float(np.max([abs(r["error"]) for r in late])) if late else math.nan,
+        "final_error": rows[-1]["error"] if rows else math.nan,
+        "final_band": [rows[-1]["low"], rows[-1]["high"]] if rows else None,
+        "coverage": float(np.mean([r["inside"] for r in rows])) if rows else math.nan,
+    }
+
+
+def ends(rungs: list[dict], e: float | None = None) -> list[dict]:
+    """Marin's check: each rung's end extrapolated from its own 60-80% window (per-fraction curves)."""
+    out = []
     for r in rungs:
         window = [(f, v) for f, v in r["fractions"].items() if 0.6 <= f <= 0.8 + 1e-9]
         if len(window) >= 3 and 1.0 in r["fractions"]:
             c = np.array([r["flops"] * f for f, _ in window])
-            fit = fit_power(c, np.array([v for _, v in window]), e=e if e is not None else None, n_boot=0)
+            fit = fit_power(c, np.array([v for _, v in window]), e=e, n_boot=0)
             pred = float(fit.predict(r["flops"]))
-            ends.append(
-                {
-                    "rung": r["name"],
-                    "predicted_end": pred,
-                    "actual_end": r["fractions"][1.0],
-                    "error": pred / r["fractions"][1.0] - 1,
-                }
-            )
-    return {"target": big["name"], "curve": errors, "ends": ends}
+            out.append({"rung": r["name"], "predicted_end": pred, "actual_end": r["fractions"][1.0],
+                        "error": pred / r["fractions"][1.0] - 1})  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- updates in a run
+
+
+def update_forecast(registered: dict, prefix: L.Run, rungs: list[L.Run], n_boot: int = 40) -> dict | None:
+    """The registered forecast refitted with the target's own evaluations so far (``prefix``, a
+    run with the target's schedule and the losses measured up to now) added to the rungs': the
+    same law, started from the registered fit. An update is recorded beside the registered forecast
+    and never replaces it; None when the prefix has no evaluation the law is fitted to yet."""
+    law = registered.get("law")
+    if law not in L.LAWS:
+        return None
+    min_fraction = registered.get("min_fraction", MIN_FRACTION)
+    own = fitted([prefix], min_fraction)
+    if not own:
+        return None
+    use = fitted(rungs, min_fraction) + own
+    start = L.LawFit.from_dict(registered["fit"])
+    fit = L.fit_law(use, law, start=start)
+    noise = corrected_noise(fit, use, estimate_noise(fit, use), np.random.default_rng(1), draws=15)
+    target = L.Run(prefix.name, prefix.n, prefix.tokens_per_step, prefix.lr, np.asarray(registered["steps"], float),
+                   None, prefix.flops_per_token)  # fmt: skip
+    low, high = joint_band(fit, use, target, noise, n_boot, registered.get("band", {}).get("level", LEVEL))
+    pred = fit.predict(target)
+    return {
+        "at_step": int(prefix.steps[-1]),
+        "points_of_target": len(own[0].steps),
+        "law": law,
+        "fit": fit.to_dict(),
+        "noise": noise,
+        "steps": registered["steps"],
+        "loss": pred.tolist(),
+        "low": low.tolist(),
+        "high": high.tolist(),
+        "final": {"loss": float(pred[-1]), "low": float(low[-1]), "high": float(high[-1])},
+    }
+
+
+# ------------------------------------------------------------------------------- calibration
+
+
+def calibration(
+    truth: L.LawFit,
+    rungs: list[L.Run],
+    target: L.Run,
+    noise: dict,
+    n_ladders: int = 200,
+    n_boot: int = 50,
+    level: float = LEVEL,
+    law: str | None = None,
+    seed: int = 0,
+    progress=None,
+    correct: bool = True,
+) -> dict:
+    """How often the band holds the truth, on synthetic ladders: every run (rungs and target) is
+    ``truth``'s curve at its own points, off by an offset of its own and noisy from point to point
+    (``noise``: rung and point sd, rho). Each synthetic ladder is forecast exactly as a real one is
+    (the same law, fit and band), and each of the synthetic target's points is in the band or not.
+    ``progress(i)`` is called after each ladder."""
+    law = law or truth.law
+    inside, errors, finals = [], [], []
+    for i in range(n_ladders):
+        rng = np.random.default_rng([seed, i])
+        *synth, truth_t = draw_ladder(rng, truth, [*rungs, target], noise)
+        blind = L.Run(
+            target.name, target.n, target.tokens_per_step, target.lr, target.steps, None, target.flops_per_token
+        )
+        try:
+            fc = forecast_joint(synth, blind, law, n_boot=n_boot, level=level, correct=correct)
+        except L.LawError:
+            continue
+        pred, lo, hi = (np.asarray(fc[k]) for k in ("loss", "low", "high"))
+        inside.append((lo <= truth_t.loss) & (truth_t.loss <= hi))
+        errors.append(pred / truth_t.loss - 1)
+        finals.append(hi[-1] / pred[-1] - 1)
+        if progress:
+            progress(i)
+    inside, errors = np.array(inside), np.array(errors)
+    fractions = target.steps / target.total_steps
+    return {
+        "law": law,
+        "level": level,
+        "ladders": len(inside),
+        "coverage": float(inside.mean()),
+        "coverage_by_fraction": {f"{f:.2f}": float(c) for f, c in zip(fractions, inside.mean(axis=0), strict=True)},
+        "coverage_per_ladder": [float(x) for x in inside.mean(axis=1)],
+        "mean_abs_error_past_20": float(np.mean(np.abs(errors[:, fractions > 0.2 + 1e-9]))),
+        "final_half_width": float(np.median(finals)),
+        "noise": {k: noise[k] for k in ("rung", "point", "rho", "dof")},
+    }

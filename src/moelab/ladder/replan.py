@@ -19,7 +19,6 @@ import re
 import time
 from pathlib import Path
 
-from moelab import accounting
 from moelab.config import config_from_dict, config_hash, load_config, to_dict
 
 SPEC = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*->\s*(\d+)\s*$")
@@ -134,24 +133,26 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
 
 
 def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int) -> dict:
-    """The forecast for the new horizon, from the rungs the old forecast used (or ``ladder``)."""
-    from moelab.ladder.forecast import ForecastError, forecast, rung_curve
+    """The forecast for the new plan, from the rungs the old forecast used (or ``ladder``), by the
+    old forecast's law: a joint law reads the re-planned schedule as it will run; the per-fraction
+    form can only stretch its fractions over the new horizon."""
+    from moelab.ladder import DEFAULT_LAW
+    from moelab.ladder.forecast import ForecastError, forecast
 
     path = run_dir / "forecast.json"
     old = json.loads(path.read_text()) if path.is_file() else None
     rungs = ladder or (old or {}).get("rungs")
     if not rungs:
         return {"status": "none", "note": "the run has no forecast.json and no --ladder was given"}
+    law = (old or {}).get("law", "per-fraction" if old else DEFAULT_LAW)  # a forecast without a law is Marin's form
     try:
-        curves = [rung_curve(d) for d in rungs]
+        fc = forecast(rungs, cfg, law=law, e=(old or {}).get("e"), target_name=(old or {}).get("target", cfg.name))
     except ForecastError as exc:
         raise ReplanError(f"--ladder: {exc}; pass the rungs' run directories with --ladder") from None
-    target = accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops_without_lm_head"]
-    e = (old or {}).get("e")
-    fc = forecast(curves, target, cfg.train.steps, e=e)
-    fc.update(target=(old or {}).get("target", cfg.name), target_flops=target, rungs=list(rungs), e=e, replan=n)
+    fc.update(replan=n)
     if old is not None:
         kept = run_dir / f"forecast.before-replan-{n}.json"
         _write_atomic(kept, path.read_text())
     _write_atomic(path, json.dumps(fc, indent=1))
-    return {"status": "recomputed", "path": str(path), "target_flops": target, "points": len(fc["fractions"])}
+    return {"status": "recomputed", "law": law, "path": str(path), "target_flops": fc["target_flops"],
+            "points": len(fc["fractions"]), "final": fc["loss"][-1]}  # fmt: skip

@@ -87,8 +87,9 @@ def forecast_figure(run_dir: Path):
     if not ev:
         return None
     steps = fc["steps"][-1] / fc["fractions"][-1]
+    law = fc.get("law", "per-fraction")
     fig, ax = _fig(
-        f"Forecast of {fc.get('target', run_dir.name)} against its held-out loss",
+        f"Forecast of {fc.get('target', run_dir.name)} ({law}) against its held-out loss",
         xlabel="fraction of the run",
         ylabel="held-out loss, dropless, macro (nats / token)",
     )
@@ -99,8 +100,15 @@ def forecast_figure(run_dir: Path):
             n = json.loads(cfg.read_text())["config"]["train"]["steps"]
             ax.plot([r["step"] / n for r in recs], [r["loss_dropless"]["macro"] for r in recs], color="0.75", lw=1)
     ax.plot([], [], color="0.75", lw=1, label="ladder rungs")
-    ax.fill_between(fc["fractions"], fc["low"], fc["high"], alpha=0.25, color="C0", label="forecast band (5-95%)")
-    ax.plot(fc["fractions"], fc["loss"], color="C0", ls="--", label="forecast")
+    curve = fc.get("curve") or {"steps": fc["steps"], "loss": fc["loss"], "low": fc["low"], "high": fc["high"]}
+    x = [s / steps for s in curve["steps"]]
+    level = fc.get("band", {}).get("level", 0.9)
+    ax.fill_between(x, curve["low"], curve["high"], alpha=0.25, color="C0", label=f"registered band ({level:.0%})")
+    ax.plot(x, curve["loss"], color="C0", ls="--", label="registered forecast")
+    updates = read_jsonl(run_dir / "forecast_updates.jsonl")
+    if updates:  # the newest refit with the run's own evaluations: an update, drawn apart
+        u = updates[-1]
+        ax.plot([s / steps for s in u["steps"]], u["loss"], color="C2", ls=":", label=f"updated at step {u['at_step']}")
     ax.plot(
         [r["step"] / steps for r in ev],
         [r["loss_dropless"]["macro"] for r in ev],

@@ -124,6 +124,54 @@ def _mesh(cfg: Config):
         raise RunRefused(str(exc)) from None
 
 
+class ForecastUpdates:
+    """Refits of a run's registered joint-law forecast with the run's own evaluations so far, every
+    ``train.forecast_update_every`` of the run: each is appended to forecast_updates.jsonl and is an
+    event (and goes to ``callback``); forecast.json, which the health checks and verdict use, stays."""
+
+    def __init__(self, run: RunDir, forecast: dict | None, cfg: Config, callback, progress: bool):
+        from moelab.ladder.law import LAWS
+
+        self.run, self.forecast, self.callback, self.progress = run, forecast, callback, progress
+        self.every = cfg.train.forecast_update_every * cfg.train.steps
+        self.on = bool(forecast and forecast.get("law") in LAWS and self.every > 0 and forecast.get("rungs"))
+        self.path = run.path / "forecast_updates.jsonl"
+        self.done = {u["at_step"] for u in read_jsonl(self.path)} if self.on else set()
+        self.rungs = None
+
+    def after_eval(self, step: int) -> None:
+        if not self.on or step == 0 or step in self.done:
+            return
+        if self.done and step < max(self.done) + self.every - 0.5:
+            return
+        from moelab.ladder.forecast import ForecastError, rung_run, update_forecast
+
+        try:
+            if self.rungs is None:
+                self.rungs = [rung_run(d) for d in self.forecast["rungs"]]
+            upd = update_forecast(self.forecast, rung_run(self.run.path), self.rungs)
+        except (ForecastError, ValueError, OSError) as exc:  # the rungs moved away: say so once, go on
+            self.on = False
+            self.run.event("forecast_update_off", step=step, why=str(exc))
+            return
+        if upd is None:
+            return
+        self.done.add(step)
+        append_jsonl(self.path, {"time": time.time(), **upd})
+        fin = upd["final"]
+        self.run.event("forecast_update", step=step, law=upd["law"], final=fin)
+        if self.progress:
+            from tqdm import tqdm
+
+            tqdm.write(
+                f"forecast update at step {step}: final held-out loss {fin['loss']:.4f} "
+                f"[{fin['low']:.4f}, {fin['high']:.4f}] (registered: {self.forecast['loss'][-1]:.4f})",
+                file=sys.stderr,
+            )
+        if self.callback is not None:
+            self.callback(upd)
+
+
 def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
     rec = {"kind": "train", "step": done, "tokens": done * cfg.train.batch_size * cfg.model.seq_len}
     rec.update({k: v for k, v in m.items() if k != "finite"})
@@ -131,10 +179,20 @@ def _train_record(done: int, cfg: Config, m: dict, extra: dict) -> dict:
     return rec
 
 
-def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress: bool = True, trackers=()) -> dict:
+def train(
+    cfg: Config | None,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    trackers=(),
+    on_forecast_update=None,
+) -> dict:
     """Train ``cfg`` into ``out``; returns the summary (also written to summary.json).
 
-    With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned)."""
+    With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned).
+    ``on_forecast_update(update)`` is called with each refit of the run's forecast (see
+    ``train.forecast_update_every``), after it is written to forecast_updates.jsonl."""
     from tqdm import tqdm
 
     run = RunDir(out)
@@ -204,6 +262,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
         steps=steps,
     )
     monitor.reset(read_jsonl(run.metrics))
+    updates = ForecastUpdates(run, forecast, cfg, on_forecast_update, progress)
 
     def record(rec: dict) -> None:
         append_jsonl(run.metrics, rec)
@@ -232,6 +291,7 @@ def train(cfg: Config | None, out: str | Path, *, resume: bool = False, progress
         }
         record(rec)
         run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
+        updates.after_eval(done)
         return rec
 
     def do_checkpoint(done: int) -> None:
