@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import time
@@ -201,7 +202,8 @@ def main() -> None:
 
     print(f"== calibration: {args.ladders} synthetic ladders per corpus, 2 processes", flush=True)
     cal = {}
-    with ProcessPoolExecutor(2) as pool:
+    # spawned, not forked: this process has run JAX, whose threads a fork would copy mid-flight
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         for corpus, jobs in cal_jobs.items():
             t0 = time.time()
             parts = list(pool.map(_calibrate, jobs))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["moe_dispatch.py", "vs_transformers.py", "fault_detection.py", "drops_vs_context.py"]
+SCRIPTS = ["moe_dispatch.py", "vs_transformers.py", "fault_detection.py", "drops_vs_context.py", "forecast_backtest.py"]
 
 if __name__ == "__main__":
     failed, took = [], {}

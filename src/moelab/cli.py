@@ -241,6 +241,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             )
         for d, v in res["per_domain_relative_sd"].items():
             print(f"  {d:<16} {v:.3%}")
+        for d in res["read_whole"]:
+            print(f"  {d:<16} one set: the evaluation reads its whole held-out stream")
         return 0
     res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json)
     if args.json:

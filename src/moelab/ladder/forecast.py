@@ -291,7 +291,8 @@ def forecast_joint(
     noise = estimate_noise(fit, use)
     if correct:
         noise = corrected_noise(fit, use, noise, np.random.default_rng(1))
-    grid = np.unique(np.concatenate([np.linspace(1, target.total_steps, curve_points).round(), target.steps]))
+    first = float(target.steps.min())  # the law is not drawn before the first evaluation (warm-up)
+    grid = np.unique(np.concatenate([np.linspace(first, target.total_steps, curve_points).round(), target.steps]))
     dense = L.Run(target.name, target.n, target.tokens_per_step, target.lr, grid, None, target.flops_per_token)
     low, high = joint_band(fit, use, dense, noise, n_boot, level)
     pred = fit.predict(dense)

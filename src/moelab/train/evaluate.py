@@ -43,18 +43,19 @@ def eval_windows(
     return rows, np.ones((n, seq_len), np.float32)
 
 
-def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int) -> int:
-    """How many disjoint window sets every domain's held-out stream holds (1 when none spare)."""
-    sets = []
+def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int) -> dict[str, int]:
+    """How many disjoint window sets each domain's held-out stream holds (1: the evaluation reads
+    all of it, or all it can)."""
+    sets = {}
     for domain in store.domains:
         n_all = (len(store.stream(domain, "heldout")) - 1) // seq_len
         n = min(max(max_tokens // seq_len, 1), n_all)
-        sets.append(n_all // n if n else 1)
-    return max(1, min(sets))
+        sets[domain] = max(1, n_all // n) if n else 1
+    return sets
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, store: TokenStore, offset: int = 0, dropless_only: bool = False):
+    def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False):
         from moelab.train.step import make_eval_step
 
         self.cfg = cfg
@@ -65,7 +66,8 @@ class Evaluator:
         b = cfg.train.batch_size
         self.data = {}
         for domain in store.domains:
-            rows, mask = eval_windows(store, domain, m.seq_len, cfg.train.eval_tokens, offset)
+            at = offset.get(domain, 0) if isinstance(offset, dict) else offset
+            rows, mask = eval_windows(store, domain, m.seq_len, cfg.train.eval_tokens, at)
             n_bytes = float(np.sum(store.byte_lengths[np.clip(rows[:, 1:], 0, len(store.byte_lengths) - 1)] * mask))
             pad = (-len(rows)) % b
             if pad:
@@ -132,6 +134,8 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
     """The evaluation's own noise: one checkpoint evaluated on up to ``sets`` disjoint sets of
     held-out windows (the usual set and its shifted neighbours), dropless; the spread of the macro
     loss across sets, relative to its mean, is the noise of one evaluation of ``train.eval_tokens``.
+    A domain whose held-out stream holds one set only (the evaluation reads all of it) is read the
+    same in every set: it adds nothing that another choice of windows would change.
 
     Every run is evaluated on the same windows, so much of that is shared: with ``against`` (another
     run on the same data, its newest checkpoint) the spread of the ratio of the two losses across the
@@ -139,13 +143,16 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
     from moelab.train.loop import RunRefused
 
     run, cfg, store, state, step = restored(run_dir, step, progress)
-    n = min(sets, disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens))
+    per = disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens)
+    n = min(sets, max(per.values()))
     if n < 2:
-        raise RunRefused(f"{run.path}: the held-out streams hold one set of eval windows only; lower train.eval_tokens")
+        raise RunRefused(
+            f"{run.path}: every held-out stream holds one set of eval windows only; lower train.eval_tokens"
+        )
 
     def losses(cfg, store, state) -> list[dict]:
-        return [Evaluator(cfg, store, offset=k, dropless_only=True)(state["params"], state["model_state"])["loss_dropless"]
-                for k in range(n)]  # fmt: skip
+        return [Evaluator(cfg, store, offset={d: k % per[d] for d in per}, dropless_only=True)(
+                    state["params"], state["model_state"])["loss_dropless"] for k in range(n)]  # fmt: skip
 
     sets_ = losses(cfg, store, state)
     macro = np.array([x["macro"] for x in sets_])
@@ -157,8 +164,11 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
         "macro": macro.tolist(),
         "relative_sd": float(macro.std(ddof=1) / macro.mean()),
         "per_domain_relative_sd": {
-            d: float(np.std([x[d] for x in sets_], ddof=1) / np.mean([x[d] for x in sets_])) for d in store.domains
+            d: float(np.std([x[d] for x in sets_], ddof=1) / np.mean([x[d] for x in sets_]))
+            for d in store.domains
+            if per[d] > 1
         },
+        "read_whole": [d for d in store.domains if per[d] == 1],
     }
     if against is not None:
         other, ocfg, ostore, ostate, ostep = restored(against, None, progress)
