@@ -93,12 +93,14 @@ def forecast_figure(run_dir: Path):
         xlabel="fraction of the run",
         ylabel="held-out loss, dropless, macro (nats / token)",
     )
+    seen = [r["loss_dropless"]["macro"] for r in ev]
     for rung in fc.get("rungs", []):
         recs = [r for r in read_jsonl(Path(rung) / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
         cfg = Path(rung) / "config.json"
         if recs and cfg.exists():
             n = json.loads(cfg.read_text())["config"]["train"]["steps"]
             ax.plot([r["step"] / n for r in recs], [r["loss_dropless"]["macro"] for r in recs], color="0.75", lw=1)
+            seen += [r["loss_dropless"]["macro"] for r in recs]
     ax.plot([], [], color="0.75", lw=1, label="ladder rungs")
     curve = fc.get("curve") or {"steps": fc["steps"], "loss": fc["loss"], "low": fc["low"], "high": fc["high"]}
     x = [s / steps for s in curve["steps"]]
@@ -116,6 +118,8 @@ def forecast_figure(run_dir: Path):
         marker=".",
         label="actual",
     )
+    lows = [x for x in (*fc["low"], *seen) if x == x]
+    ax.set_ylim(0.95 * min(lows), 1.05 * max(seen))  # the measured curves, not the law before its first point
     ax.legend(fontsize=7)
     return fig
 
