@@ -280,9 +280,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"{exp.name}: {exp.title}")
     result = runner.run()
-    v = result["verdict"]
-    if v:
-        print(f"verdict: {v['verdict']} ({v['why']}; predicted {v['predicted']:g})")
+    for v in (result["verdict"], result["post_hoc_verdict"]):
+        if v:
+            print(
+                f"verdict: {v['verdict']} ({v['why']}; predicted {v['predicted']:g}, prediction v{v['prediction_version']})"
+            )
     failed = [k for k, x in result["steps"].items() if x != "SUCCESS"]
     if failed:
         print(f"not finished: {', '.join(failed)}; the journal has the tracebacks; run again to resume")
@@ -297,7 +299,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no experiments under {args.prefix}")
     for r in rows:
-        print(f"{r['experiment']} (v{r['version']}): {r['title']}  verdict: {r['verdict'] or '-'}")
+        late = "".join(f"; {v}" for v in r["post_hoc_verdicts"])
+        print(f"{r['experiment']} (v{r['version']}): {r['title']}  verdict: {r['verdict'] or '-'}{late}")
         for s in r["steps"]:
             print(f"  {s['status']:<8} {s['name']:<22} {args.prefix}/{s['dir']}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moelab.lab.executor import Runner, read_status
 from moelab.lab.graph import Experiment
-from moelab.lab.journal import Journal
+from moelab.lab.journal import Journal, record
 
 
 class ExperimentError(ValueError):
@@ -72,7 +72,7 @@ def status_rows(prefix: Path) -> list[dict]:
     for journal_path in sorted(Path(prefix).glob("experiments/*/journal.jsonl")):
         events = Journal(journal_path).read()
         declared = [e for e in events if e["event"] == "declared"]
-        verdicts = [e for e in events if e["event"] == "verdict"]
+        rec = record(events)
         steps = []
         for s in declared[-1]["steps"] if declared else []:
             status_path = Path(prefix) / f"{s['dir']}.status"
@@ -84,16 +84,26 @@ def status_rows(prefix: Path) -> list[dict]:
                 "title": declared[-1]["title"] if declared else "",
                 "version": len(declared),
                 "steps": steps,
-                "verdict": verdicts[-1]["verdict"] if verdicts else None,
+                "verdict": rec["verdict"]["verdict"] if rec["verdict"] else None,
+                "post_hoc_verdicts": [v["verdict"] for v in rec["post_hoc_verdicts"]],
             }
         )
     return out
+
+
+def _when(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def issue_markdown(exp: Experiment, prefix: Path) -> str:
     """GitHub-issue markdown: description, goal, hypothesis, prediction, config, results and verdict."""
     from moelab import accounting
 
+    runner = Runner(exp, prefix, log=lambda *_: None)
+    events = Journal(runner.journal.path).read()
+    rec = record(events)
     lines = [f"# {exp.title}", "", f"Experiment `{exp.name}`, issue #{exp.issue}.", ""]
     if exp.description:
         lines += [exp.description, ""]
@@ -108,13 +118,25 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
         "",
         "## Pre-registered prediction",
         "",
-        f"- {exp.prediction.describe()}",
-        f"- prediction hash `{exp.prediction.digest()}`",
-        "",
-        "## Steps and configs",
-        "",
     ]
-    runner = Runner(exp, prefix, log=lambda *_: None)
+    pre = rec["prediction"]
+    if pre is not None:
+        lines += [f"- {pre['text']}", f"- prediction hash `{pre['hash']}`, version {pre['version']}, registered "
+                  f"{_when(pre['time'])}" + (f", before the first step started {_when(rec['first_step'])}" if rec["first_step"] else "")]  # fmt: skip
+        if pre["hash"] != exp.prediction.digest():
+            lines += [
+                f"- the experiment file now predicts: {exp.prediction.describe()} (not registered before the run)"
+            ]
+    else:
+        lines += [
+            f"- {exp.prediction.describe()}",
+            f"- prediction hash `{exp.prediction.digest()}` (registered when it first runs)",
+        ]
+    for p in rec["post_hoc_predictions"]:
+        lines += [
+            f"- POST HOC (registered {_when(p['time'])}, after the first step started): version {p['version']}: {p['text']}"
+        ]
+    lines += ["", "## Steps and configs", ""]
     lines += ["| step | output | config | parameters (total / active) | training FLOPs |", "|---|---|---|---|---|"]
     for step in exp.all_steps():
         cfg = _resolved(runner, step)
@@ -128,15 +150,15 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
             flops = f"{step.estimate(cfg)['flops']:.3g}"
         shown = json.dumps({k: v for k, v in cfg.items() if k != "progress"})
         lines.append(f"| {step.name} | `{step.dirname()}` | `{shown}` | {params} | {flops} |")
-    events = Journal(runner.journal.path).read()
-    verdicts = [e for e in events if e["event"] == "verdict"]
     lines += ["", "## Results", ""]
-    if verdicts:
-        v = verdicts[-1]
-        outcome = "no value" if v["outcome"] is None else f"{v['outcome']:.6g}"
-        lines += [
-            f"**{v['verdict']}**: {v['metric']} = {outcome} against the predicted {v['predicted']:g} ({v['why']})."
-        ]
+    shown = [v for v in (rec["verdict"], *rec["post_hoc_verdicts"]) if v is not None]
+    if shown:
+        for v in shown:
+            outcome = "no value" if v["outcome"] is None else f"{v['outcome']:.6g}"
+            lines += [
+                f"**{v['verdict']}**: {v['metric']} = {outcome} against the predicted {v['predicted']:g} ({v['why']}).",
+                "",
+            ]
         failures = [e for e in events if e["event"] == "step_failed"]
         if failures:
             lines += [

@@ -19,8 +19,8 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from moelab.lab.graph import Experiment, Step, resolve, verdict
-from moelab.lab.journal import RUNNING, Journal
+from moelab.lab.graph import Experiment, Step, resolve
+from moelab.lab.journal import RUNNING, Journal, judge
 from moelab.train.record import git_state, host, versions
 
 
@@ -189,11 +189,15 @@ class Runner:
                         results[s.name] = outcome
         finally:
             pool.shutdown(wait=True)
-        summary = {"steps": {s.name: status[id(s)] for s in steps}, "verdict": None}
+        summary = {"steps": {s.name: status[id(s)] for s in steps}, "verdict": None, "post_hoc_verdict": None}
         if all(v == "SUCCESS" for v in summary["steps"].values()) and len(steps) == len(self.exp.all_steps()):
-            v = verdict(self.exp.prediction, self.exp.outcome(results))
-            self.journal.record_verdict(v)
-            summary["verdict"] = v
+            # judged against the prediction on record before the first step started; a prediction
+            # registered later is judged apart, and its verdict says it is post hoc
+            official, late = judge(self.journal.read(), self.exp.prediction, self.exp.outcome(results))
+            for v in (official, late):
+                if v is not None:
+                    self.journal.record_verdict(v)
+            summary["verdict"], summary["post_hoc_verdict"] = official, late
         return summary
 
     def _submit(self, pool, step: Step):

@@ -2,8 +2,9 @@
 
 declared (with a version number), prediction_registered (with its hash), step started /
 resumed / finished / failed (with traceback) / blocked, lease taken over, change (what, why,
-at which step), verdict. A declaration or prediction that changes after the first run is
-recorded as a new version; the old one stays.
+at which step), verdict. A declaration or prediction that changes is recorded as a new version;
+the old one stays. What counts is what was on record before the experiment's first step started
+(``record``): a later declaration or prediction is post hoc, and so is a verdict against it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from moelab.lab.graph import Experiment
+from moelab.lab.graph import Experiment, Prediction, verdict
 
 # (journal, step name, step dir) of the step running in this thread, so that a step can record what
 # happens while it runs (a forecast's updates), not only what its outcome carries at the end
@@ -70,11 +71,69 @@ class Journal:
                 )
 
     def record_verdict(self, v: dict) -> None:
-        past = [e for e in self.read() if e["event"] in ("verdict", "prediction_registered")]
-        last = past[-1] if past else None
-        if last and last["event"] == "verdict" and last["verdict"] == v["verdict"] and last["outcome"] == v["outcome"]:
-            return  # the same outcome, already judged
+        """A verdict, once per prediction and outcome (a rerun that changes nothing adds nothing)."""
+        same = [e for e in self.read() if e["event"] == "verdict" and e.get("prediction_hash") == v["prediction_hash"]]
+        if same and same[-1]["verdict"] == v["verdict"] and same[-1]["outcome"] == v["outcome"]:
+            return
         self.write("verdict", **v)
 
     def change(self, what: str, why: str, step: int | None = None) -> dict:
         return self.write("change", what=what, why=why, at_step=step)
+
+
+def first_step_time(events: list[dict]) -> float | None:
+    """When the experiment's first step started (or resumed): the line between before and after."""
+    times = [e["time"] for e in events if e["event"] in ("step_started", "step_resumed")]
+    return min(times) if times else None
+
+
+def record(events: list[dict]) -> dict:
+    """What counts and what is post hoc. ``declaration`` and ``prediction``: the newest of each on
+    record before the first step started (None when there was none); ``post_hoc_declarations`` and
+    ``post_hoc_predictions``: those recorded after it; ``verdict``: the newest verdict against the
+    pre-registered prediction; ``post_hoc_verdicts``: the newest against each post-hoc prediction
+    (their ``verdict`` is written ``POST-HOC ...``, never a plain CONFIRMED or FALSIFIED)."""
+    first = first_step_time(events)
+
+    def split(kind: str) -> tuple[dict | None, list[dict]]:
+        found = [e for e in events if e["event"] == kind]
+        before = [e for e in found if first is None or e["time"] < first]
+        return (before[-1] if before else None), [e for e in found if first is not None and e["time"] >= first]
+
+    decl, post_decl = split("declared")
+    pred, post_pred = split("prediction_registered")
+    verdicts = [e for e in events if e["event"] == "verdict"]
+    counted = [v for v in verdicts if pred is not None and v.get("prediction_hash") == pred["hash"]]
+    post_verdicts = []
+    for p in post_pred:
+        mine = [v for v in verdicts if v.get("prediction_hash") == p["hash"] and not v.get("pre_registered", True)]
+        if mine:
+            post_verdicts.append(mine[-1])
+    return {
+        "first_step": first,
+        "declaration": decl,
+        "prediction": pred,
+        "post_hoc_declarations": post_decl,
+        "post_hoc_predictions": post_pred,
+        "verdict": counted[-1] if counted else None,
+        "post_hoc_verdicts": post_verdicts,
+    }
+
+
+def judge(events: list[dict], current, outcome: float | None) -> tuple[dict | None, dict | None]:
+    """(the verdict against the pre-registered prediction, a post-hoc verdict against ``current``
+    when it is another prediction registered after the first step); either may be None."""
+    rec = record(events)
+    official = None
+    if rec["prediction"] is not None:
+        p = rec["prediction"]
+        official = {**verdict(Prediction(**p["prediction"]), outcome), "prediction_hash": p["hash"],
+                    "prediction_version": p["version"], "pre_registered": True}  # fmt: skip
+    late = None
+    post = [p for p in rec["post_hoc_predictions"] if p["hash"] == current.digest()]
+    if post and (rec["prediction"] is None or rec["prediction"]["hash"] != current.digest()):
+        v = verdict(current, outcome)
+        late = {**v, "verdict": f"POST-HOC {v['verdict']}", "prediction_hash": post[-1]["hash"],
+                "prediction_version": post[-1]["version"], "pre_registered": False,
+                "why": f"{v['why']}; against a prediction registered after the first step started"}  # fmt: skip
+    return official, late

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.lab.journal import Journal
+from moelab.lab.journal import Journal, record
 from moelab.train.record import read_jsonl
 
 CSS = """
@@ -28,9 +28,14 @@ font-size:.85em;white-space:pre-wrap}.CONFIRMED{color:#0a7a28;font-weight:bold}.
 font-weight:bold}.INCONCLUSIVE{color:#a66b00;font-weight:bold}.fail td{background:#fde8e8}
 .change td{background:#fff6d6}.plots{display:flex;flex-wrap:wrap;gap:1em}.plot{flex:1 1 480px}
 .plot svg{width:100%;height:auto}.muted{color:#777}.ALERT{color:#b00020;font-weight:bold}.WATCH{color:#a66b00}
+.posthoc{color:#6b4c9a;font-style:italic}
 """
 
 E = html.escape
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _page(title: str, body: str) -> str:
@@ -286,29 +291,48 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
     events = Journal(journal_path).read()
     declared = [e for e in events if e["event"] == "declared"]
     preds = [e for e in events if e["event"] == "prediction_registered"]
-    verdicts = [e for e in events if e["event"] == "verdict"]
+    rec = record(events)
     decl = declared[-1] if declared else {"title": journal_path.parent.name, "steps": []}
+    counted = rec["declaration"] or decl  # the goal and hypothesis on record before the first step
     name = journal_path.parent.name
     body = [
         f"<p><a href='index.html'>all experiments</a></p><h1>{E(decl.get('title', name))}</h1>",
         f"<p class=muted>{E(name)}, issue #{E(str(decl.get('issue', '')))}, declaration version {len(declared)}</p>",
     ]
     for key in ("goal", "hypothesis", "description"):
-        if decl.get(key):
-            body.append(f"<h2>{key.capitalize()}</h2><p>{E(decl[key])}</p>")
-    body.append("<h2>Prediction against outcome</h2>")
-    if preds:
+        if counted.get(key):
+            body.append(f"<h2>{key.capitalize()}</h2><p>{E(counted[key])}</p>")
+    for d in rec["post_hoc_declarations"]:
         body.append(
-            f"<p>Registered before the run (hash <code>{E(preds[-1]['hash'])}</code>): {E(preds[-1]['text'])}</p>"
+            f"<p class=posthoc>POST HOC: declaration version {d['version']}, recorded {_when(d['time'])}, after the "
+            f"first step started: hypothesis <q>{E(d.get('hypothesis', ''))}</q></p>"
         )
-    if verdicts:
-        v = verdicts[-1]
+    body.append("<h2>Prediction against outcome</h2>")
+    first = f"the first step started {_when(rec['first_step'])}" if rec["first_step"] else "no step has started yet"
+    pre = rec["prediction"]
+    if pre is not None:
+        body.append(
+            f"<p>Registered before the run (version {pre['version']}, hash <code>{E(pre['hash'])}</code>, "
+            f"{_when(pre['time'])}; {first}): {E(pre['text'])}</p>"
+        )
+    else:
+        body.append(f"<p class=posthoc>No prediction was on record before the first step ({first}).</p>")
+    v = rec["verdict"]
+    if v:
         body.append(
             f"<p class='{E(v['verdict'])}'>{E(v['verdict'])}</p><p>{E(v['metric'])}: outcome "
             f"{E(str(v['outcome']))}, predicted {E(str(v['predicted']))}; {E(v['why'])}</p>"
         )
     else:
         body.append("<p>No verdict yet.</p>")
+    for p in rec["post_hoc_predictions"]:
+        late = next((x for x in rec["post_hoc_verdicts"] if x["prediction_hash"] == p["hash"]), None)
+        body.append(
+            f"<p class=posthoc>POST HOC: prediction version {p['version']} (hash <code>{E(p['hash'])}</code>), "
+            f"registered {_when(p['time'])}, after the first step started: {E(p['text'])}"
+            + (f". Against it: {E(late['verdict'])} ({E(late['why'])})" if late else "")
+            + "</p>"
+        )
     if len(declared) > 1 or len(preds) > 1:
         body.append(
             f"<p>{len(declared)} declaration and {len(preds)} prediction versions are on record; "
@@ -381,7 +405,8 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
         "name": name,
         "title": decl.get("title", name),
         "status": overall,
-        "verdict": verdicts[-1]["verdict"] if verdicts else None,
+        "verdict": rec["verdict"]["verdict"] if rec["verdict"] else None,
+        "post_hoc": [x["verdict"] for x in rec["post_hoc_verdicts"]],
         "compute": compute,
     }
     return _page(decl.get("title", name), "".join(body)), info
@@ -395,9 +420,10 @@ def build_site(prefix: Path, out: Path) -> Path:
         page, info = experiment_page(prefix, journal_path)
         (out / f"{info['name']}.html").write_text(page)
         v = info["verdict"] or "-"
+        late = "".join(f"<br><span class=posthoc>{E(x)}</span>" for x in info["post_hoc"])
         rows.append(
             f"<tr><td><a href='{E(info['name'])}.html'>{E(info['title'])}</a></td><td>{E(info['status'])}</td>"
-            f"<td class='{E(v)}'>{E(v)}</td><td>{info['compute']:.3g}</td></tr>"
+            f"<td class='{E(v)}'>{E(v)}{late}</td><td>{info['compute']:.3g}</td></tr>"
         )
     body = (
         "<h1>moelab experiments</h1><table><tr><th>experiment</th><th>status</th><th>verdict</th>"
