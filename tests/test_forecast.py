@@ -203,7 +203,7 @@ def test_replan_forecasts_the_new_schedule(tmp_path):
     change = replan(run, tokens=1400 * 8 * cfg.model.seq_len, reason="test")
     assert change["forecast"]["status"] == "recomputed" and change["forecast"]["law"] == "lr-annealing"
     fc = json.loads((run / "forecast.json").read_text())
-    assert fc["steps"][-1] == 1400 and (run / "forecast.before-replan-1.json").exists()
+    assert fc["steps"][-1] == 1400 and (run / "forecast.v1.json").exists() and (run / "forecast.v2.json").exists()
     p = L.LawFit.from_dict(fc["fit"]).params()
     # the rate by hand: warmup 10 steps; linear to 0.05 over 1000 steps; from step 400 linear from there to 0.05 at 1399
     w = 10

@@ -108,5 +108,7 @@ def test_the_forecast_is_updated_as_the_target_trains_and_never_replaced(pipelin
     assert reg["hash"] == hashlib.sha256(text.encode()).hexdigest()[:12]  # the registered forecast stays
     fc = json.loads(text)
     assert updates[-1]["fit"] != fc["fit"] and updates[-1]["steps"] == fc["steps"]  # refitted with its own points
-    health = json.loads((runner.out(steps["health"]) / "health.json").read_text())["forecast"]
-    assert [p["predicted"] for p in health["points"]] == fc["loss"]  # judged against the registered one
+    health = json.loads((runner.out(steps["health"]) / "health.json").read_text())
+    assert [p["predicted"] for p in health["forecast"]["points"]] == fc["loss"]  # judged against the registered one
+    (v1,) = health["forecast_versions"]  # the run recorded the forecast it launched with, by the journal's hash
+    assert v1["version"] == 1 and v1["source"] == "launch" and v1["hash"] == reg["hash"]

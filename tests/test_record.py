@@ -38,7 +38,9 @@ def rewritten(tmp_path):
     as [6.9, 7.1] (and the hypothesis reworded) and the experiment rerun."""
     exp_path, prefix = tmp_path / "exp21_late.py", tmp_path / "lab"
     first = Runner(load_experiment(write(exp_path, 3.0, 2.9, 3.1)), prefix, log=lambda *_: None).run()
-    second = Runner(load_experiment(write(exp_path, 7.0, 6.9, 7.1, "the same, said after")), prefix, log=lambda *_: None)
+    second = Runner(
+        load_experiment(write(exp_path, 7.0, 6.9, 7.1, "the same, said after")), prefix, log=lambda *_: None
+    )
     return first, second.run(), second, prefix
 
 
@@ -52,7 +54,10 @@ def test_a_prediction_rewritten_after_the_outcome_is_post_hoc(rewritten):
     events = runner.journal.read()
     rec = record(events)
     assert rec["prediction"]["version"] == 1 and [p["version"] for p in rec["post_hoc_predictions"]] == [2]
-    assert rec["declaration"]["hypothesis"] == "h" and rec["post_hoc_declarations"][0]["hypothesis"] == "the same, said after"
+    assert (
+        rec["declaration"]["hypothesis"] == "h"
+        and rec["post_hoc_declarations"][0]["hypothesis"] == "the same, said after"
+    )
     assert rec["prediction"]["time"] < rec["first_step"] < rec["post_hoc_predictions"][0]["time"]
     verdicts = [e["verdict"] for e in events if e["event"] == "verdict"]
     assert verdicts == ["FALSIFIED", "POST-HOC CONFIRMED"]  # the rerun did not judge the first one again
@@ -88,3 +93,66 @@ def test_a_prediction_changed_before_any_step_ran_is_still_registered(tmp_path):
     events = Journal(prefix / "experiments" / "exp21_late" / "journal.jsonl").read()
     assert [e["version"] for e in events if e["event"] == "prediction_registered"] == [1, 2]
     assert json.dumps(record(events)["post_hoc_predictions"]) == "[]"
+
+
+# ------------------------------------------------------------------ the forecast a run is held to
+
+
+def forecast_run(root: Path) -> Path:
+    """A run directory with a config, a few evaluations and a forecast, registered at its launch."""
+    from moelab.config import load_config, to_dict
+    from moelab.train.record import RunDir
+
+    run = root / "target"
+    run.mkdir(parents=True)
+    cfg = load_config("tiny", ["train.steps=100"])
+    (run / "config.json").write_text(json.dumps({"hash": "x", "config": to_dict(cfg)}))
+    with open(run / "metrics.jsonl", "w") as fh:
+        for s, v in ((50, 5.0), (100, 4.5)):
+            fh.write(
+                json.dumps({"kind": "eval", "step": s, "loss": {"macro": v}, "loss_dropless": {"macro": v}}) + "\n"
+            )
+    fc = {"law": "per-fraction", "fractions": [0.5, 1.0], "steps": [50, 100], "loss": [5.0, 4.4],
+          "low": [4.9, 4.3], "high": [5.1, 4.6]}  # fmt: skip
+    (run / "forecast.json").write_text(json.dumps(fc))
+    RunDir(run).register_forecast("launch", step=0)
+    return run
+
+
+def test_a_forecast_changed_after_registration_is_refused(tmp_path, capsys):
+    from moelab.train.record import RunDir
+
+    run = forecast_run(tmp_path)
+    assert main(["health", str(run), "--json"]) == 0
+    capsys.readouterr()
+    fc = json.loads((run / "forecast.json").read_text())
+    (run / "forecast.json").write_text(json.dumps({**fc, "high": [5.1, 5.0]}))  # widened after the fact
+    assert main(["health", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "forecast.json" in err and "registered" in err and "forecast.v1.json" in err
+    # a new version, registered, is what counts from then on; the first stays beside it
+    RunDir(run).register_forecast("replan", reason="test")
+    assert main(["health", str(run), "--json"]) == 0
+    versions = RunDir(run).forecast_versions()
+    assert [v["version"] for v in versions] == [1, 2] and (run / "forecast.v1.json").read_text() != (
+        run / "forecast.json"
+    ).read_text()
+
+
+def test_the_health_step_refuses_a_forecast_the_journal_never_registered(tmp_path):
+    from moelab.lab import Experiment, Prediction, Step, output_of
+    from moelab.lab.steps import health_step
+
+    def make(cfg, out):
+        forecast_run(out)
+        return {}
+
+    made = Step("made", make, {})
+    health = health_step("health", output_of(made) / "target")
+    exp = Experiment(issue=22, slug="unregistered", title="t", goal="g", hypothesis="h",
+                     prediction=Prediction(metric="health:alerts", value=0, low=0, high=0), steps=[health])  # fmt: skip
+    runner = Runner(exp, tmp_path / "lab", log=lambda *_: None)
+    res = runner.run()
+    assert res["steps"]["health"] == "FAILED"
+    failed = next(e for e in runner.journal.read() if e["event"] == "step_failed")
+    assert "RecordError" in failed["error"] and "not registered in" in failed["error"]

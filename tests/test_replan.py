@@ -100,7 +100,7 @@ def test_replan_a_real_run_then_resume_follows_the_new_plan(corpus, tmp_path):
     assert ev[0]["phase_starts"] == {"before": [0, 32], "after": [0, 48]}  # phase_starts [0, 0.8]
     after = json.loads((out / "forecast.json").read_text())
     assert after["steps"][-1] == 60 and after["target_flops"] == pytest.approx(1.5 * before["target_flops"], rel=1e-9)
-    assert json.loads((out / "forecast.before-replan-1.json").read_text()) == before
+    assert json.loads((out / "forecast.v1.json").read_text()) == before  # the version it launched with stays
 
     res = run_cli("train", "--resume", "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -12,11 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, to_dict
+from moelab.errors import UsageError
 from moelab.ladder import DEFAULT_LAW, LAW_CHOICES
-
-
-class UsageError(Exception):
-    """Bad input the user can fix; printed as one line, exit code 2."""
 
 
 def _add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
@@ -382,10 +379,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     run = Path(args.run_dir)
     load_run_config(run)  # refuses a directory that is not a run
-    forecast_path = Path(args.forecast) if args.forecast else run / "forecast.json"
-    if args.forecast and not forecast_path.is_file():
-        raise UsageError(f"{forecast_path}: no such forecast file")
-    forecast = json.loads(forecast_path.read_text()) if forecast_path.is_file() else None
+    if args.forecast:  # the user's choice of forecast, not a record of the run's
+        forecast_path = Path(args.forecast)
+        if not forecast_path.is_file():
+            raise UsageError(f"{forecast_path}: no such forecast file")
+        forecast = json.loads(forecast_path.read_text())
+    else:  # the run's newest registered forecast, refused if it changed after it was registered
+        from moelab.train.record import RunDir
+
+        forecast = RunDir(run).verified_forecast()
     ladder = None
     if args.ladder:
         try:
@@ -540,6 +542,13 @@ def cmd_replan(args: argparse.Namespace) -> int:
     if args.tokens <= 0:
         raise UsageError(f"--tokens: must be > 0, got {args.tokens:g}")
     ch = replan(args.run_dir, args.tokens, args.reason, ladder=args.ladder)
+    reg = ch["forecast"].get("registration")
+    if reg:  # the new forecast version goes into the journal of every experiment the run is a step of
+        from moelab.lab.journal import journals_of
+
+        for journal, step in journals_of(Path(args.run_dir).resolve()):
+            journal.write("forecast_registered", step=step, dir=Path(args.run_dir).resolve().name, **reg)
+            print(f"  registered as forecast version {reg['version']} in {journal.path}")
     if ch["warning"]:
         print(f"moelab: warning: {ch['warning']}", file=sys.stderr)
     if args.json:

@@ -137,3 +137,15 @@ def judge(events: list[dict], current, outcome: float | None) -> tuple[dict | No
                 "prediction_version": post[-1]["version"], "pre_registered": False,
                 "why": f"{v['why']}; against a prediction registered after the first step started"}  # fmt: skip
     return official, late
+
+
+def journals_of(run_dir: Path) -> list[tuple[Journal, str]]:
+    """(journal, step name) of each experiment under the run's lab prefix whose steps include it."""
+    out = []
+    for path in sorted(run_dir.parent.glob("experiments/*/journal.jsonl")):
+        journal = Journal(path)
+        declared = [e for e in journal.read() if e["event"] == "declared"]
+        steps = {s["dir"]: s["name"] for d in declared for s in d.get("steps", [])}
+        if run_dir.name in steps:
+            out.append((journal, steps[run_dir.name]))
+    return out

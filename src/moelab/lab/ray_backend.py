@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moelab.errors import UsageError
+
 
 def _ray():
     try:
         import ray
     except ImportError:
-        from moelab.cli import UsageError
-
         raise UsageError("--backend ray: Ray is not installed; pip install 'moelab[ray]'") from None
     if not ray.is_initialized():
         address = os.environ.get("MOELAB_RAY_ADDRESS") or None

@@ -147,14 +147,28 @@ def _health(cfg: dict, out: Path) -> dict:
 
     import numpy as np
 
+    from moelab.errors import RecordError
+    from moelab.lab.journal import RUNNING
     from moelab.ladder.health import check_run
-    from moelab.train.record import read_jsonl
+    from moelab.train.record import RunDir, read_jsonl
 
     run = Path(cfg["run"])
-    fc = json.loads((run / "forecast.json").read_text()) if (run / "forecast.json").exists() else None
+    fc = RunDir(run).verified_forecast()  # the run's newest registered forecast, unchanged since, or refused
+    versions = RunDir(run).forecast_versions()
+    running = RUNNING.get()
+    if fc is not None and versions and running is not None:  # and every version of it is in the journal
+        journal = running[0]
+        registered = {e["hash"] for e in journal.read() if e["event"] == "forecast_registered"}
+        missing = [v for v in versions if v["hash"] not in registered]
+        if missing:
+            raise RecordError(
+                f"{run}/{missing[0]['path']}: forecast version {missing[0]['version']} (hash {missing[0]['hash']}) "
+                f"is not registered in {journal.path}; the run was held to a forecast the experiment never registered"
+            )
     recs = read_jsonl(run / "metrics.jsonl")
     mon, checks = check_run(run, fc)
-    result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks}
+    result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks,
+              "forecast_versions": [{k: v.get(k) for k in ("version", "hash", "source", "reason", "step")} for v in versions]}  # fmt: skip
     if fc:
         actual = {r["step"]: r["loss_dropless"]["macro"] for r in recs if r.get("kind") == "eval"}
         points = [

@@ -123,7 +123,7 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
             "after": list(phase_boundaries(new_cfg.data.phase_starts, new_cfg.train)),
         },
         "warning": warning,
-        "forecast": _reforecast(run.path, new_cfg, ladder, len(new_cfg.train.replans)),
+        "forecast": _reforecast(run.path, new_cfg, ladder, len(new_cfg.train.replans), reason),
         "time": time.time(),
     }
     # the config last: a failure above leaves the run as it was
@@ -132,15 +132,18 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
     return change
 
 
-def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int) -> dict:
+def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int, reason: str) -> dict:
     """The forecast for the new plan, from the rungs the old forecast used (or ``ladder``), by the
     old forecast's law: a joint law reads the re-planned schedule as it will run; the per-fraction
-    form can only stretch its fractions over the new horizon."""
+    form can only stretch its fractions over the new horizon. It is a new version of the run's
+    forecast (forecast.vN.json; the old versions stay) and an event; ``registration`` is what the
+    journals of experiments that include this run record (`moelab replan` writes it there)."""
     from moelab.ladder import DEFAULT_LAW
     from moelab.ladder.forecast import ForecastError, forecast
+    from moelab.train.record import RunDir
 
-    path = run_dir / "forecast.json"
-    old = json.loads(path.read_text()) if path.is_file() else None
+    run = RunDir(run_dir)
+    old = run.verified_forecast()  # a forecast changed after it was registered is refused here
     rungs = ladder or (old or {}).get("rungs")
     if not rungs:
         return {"status": "none", "note": "the run has no forecast.json and no --ladder was given"}
@@ -150,9 +153,13 @@ def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int) -> dict:
     except ForecastError as exc:
         raise ReplanError(f"--ladder: {exc}; pass the rungs' run directories with --ladder") from None
     fc.update(replan=n)
-    if old is not None:
-        kept = run_dir / f"forecast.before-replan-{n}.json"
-        _write_atomic(kept, path.read_text())
-    _write_atomic(path, json.dumps(fc, indent=1))
-    return {"status": "recomputed", "law": law, "path": str(path), "target_flops": fc["target_flops"],
-            "points": len(fc["fractions"]), "final": fc["loss"][-1]}  # fmt: skip
+    if old is not None and not run.forecast_versions():
+        run.register_forecast("before replan")  # a forecast placed by hand, never launched with
+    _write_atomic(run.forecast, json.dumps(fc, indent=1))
+    reg = run.register_forecast("replan", replan=n, reason=reason, law=law)
+    entry = {"hash": reg["hash"], "version": reg["version"], "path": str(run_dir / reg["path"]), "law": law,
+             "target": fc["target"], "target_steps": fc["target_steps"], "final_loss": fc["loss"][-1],
+             "band": [fc["low"][-1], fc["high"][-1]], "reason": f"replan: {reason}"}  # fmt: skip
+    return {"status": "recomputed", "law": law, "path": str(run.forecast), "version": reg["version"], "hash": reg["hash"],
+            "target_flops": fc["target_flops"], "points": len(fc["fractions"]), "final": fc["loss"][-1],
+            "registration": entry}  # fmt: skip

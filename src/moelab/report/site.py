@@ -112,6 +112,18 @@ def forecast_figure(run_dir: Path):
     level = fc.get("band", {}).get("level", 0.9)
     ax.fill_between(x, curve["low"], curve["high"], alpha=0.25, color="C0", label=f"registered band ({level:.0%})")
     ax.plot(x, curve["loss"], color="C0", ls="--", label="registered forecast")
+    for e in [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "forecast"][:-1]:
+        older = run_dir / e["path"]  # a version before the newest (a re-plan replaced it): drawn faint
+        if older.is_file():
+            o = json.loads(older.read_text())
+            ax.plot(
+                [s / steps for s in o["steps"]],
+                o["loss"],
+                color="0.5",
+                ls="--",
+                lw=0.8,
+                label=f"forecast version {e['version']} ({e['source']})",
+            )
     updates = read_jsonl(run_dir / "forecast_updates.jsonl")
     if updates:  # the newest refit with the run's own evaluations: an update, drawn apart
         u = updates[-1]
@@ -261,6 +273,15 @@ def _health_section(name: str, health: dict, journal: list[dict]) -> str:
             f"<td>{E(c['evidence'])}</td></tr>"
         )
     out.append("</table>")
+    versions = health.get("forecast_versions") or []
+    if len(versions) > 1:
+        out.append(
+            "<p>The run's forecast has " + str(len(versions)) + " versions; the newest is the one judged:</p><ul>"
+        )
+        for v in versions:
+            why = f": {E(v['reason'])}" if v.get("reason") else ""
+            out.append(f"<li>version {v['version']}, hash <code>{E(v['hash'])}</code>, {E(v['source'])}{why}</li>")
+        out.append("</ul>")
     fc = health.get("forecast")
     if fc:
         reg = [e for e in journal if e["event"] == "forecast_registered"]

@@ -253,8 +253,11 @@ def train(
     except ValueError as exc:
         raise RunRefused(str(exc)) from None
     # health checks see every record; a resumed run's monitor first re-reads what survived
-    forecast_path = run.path / "forecast.json"  # `moelab ladder forecast --out RUN_DIR/forecast.json`
-    forecast = json.loads(forecast_path.read_text()) if forecast_path.exists() else None
+    # the forecast the run is held to (`moelab ladder forecast --out RUN_DIR/forecast.json`, or the lab's
+    # registered one): recorded by its hash at the first launch; a later launch refuses a changed one
+    if jax.process_index() == 0 and run.forecast.is_file() and not run.forecast_versions():
+        run.register_forecast("launch", step=start)
+    forecast = run.verified_forecast()
     monitor = HealthMonitor(
         lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)),
         forecast=forecast,

@@ -7,6 +7,7 @@ the checkpoint's cursor, so a resumed run's metrics equal an uninterrupted run's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -17,6 +18,13 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
+from moelab.errors import RecordError
+
+
+def digest(text: str) -> str:
+    """The hash a record names a file by (the first 12 hex of its sha256)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 class RunDir:
@@ -35,6 +43,46 @@ class RunDir:
 
     def read_events(self) -> list[dict]:
         return read_jsonl(self.events)
+
+    # ------------------------------------------------------------------ the forecast the run is held to
+
+    @property
+    def forecast(self) -> Path:
+        return self.path / "forecast.json"
+
+    def forecast_versions(self) -> list[dict]:
+        """The run's registered forecasts, oldest first: ``forecast`` events (version, hash, source)."""
+        return [e for e in self.read_events() if e["event"] == "forecast"]
+
+    def register_forecast(self, source: str, **fields) -> dict:
+        """Record forecast.json as it is now as the run's next forecast version (its hash, and a copy
+        forecast.vN.json); earlier versions stay."""
+        text = self.forecast.read_text()
+        version = len(self.forecast_versions()) + 1
+        copy = self.path / f"forecast.v{version}.json"
+        tmp = copy.with_name(f".{copy.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, copy)
+        return self.event("forecast", version=version, hash=digest(text), source=source, path=copy.name, **fields)
+
+    def verified_forecast(self) -> dict | None:
+        """forecast.json, when it is the newest forecast the run registered (or the run registered
+        none); RecordError, one line, when it was changed after it was registered."""
+        if not self.forecast.is_file():
+            return None
+        text = self.forecast.read_text()
+        versions = self.forecast_versions()
+        if versions and digest(text) != versions[-1]["hash"]:
+            raise RecordError(
+                f"{self.forecast}: its hash {digest(text)} is not the registered forecast's {versions[-1]['hash']} "
+                f"(version {versions[-1]['version']}); restore {versions[-1]['path']}, or re-forecast with `moelab replan`"
+            )
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise RecordError(
+                f"{self.forecast}: not valid JSON; restore it from {self.path}/forecast.v*.json"
+            ) from None
 
     def metrics_cursor(self) -> int:
         return self.metrics.stat().st_size if self.metrics.exists() else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moelab.config import Config, to_dict
+from moelab.errors import UsageError
 
 
 def _flat(rec: dict, prefix: str = "") -> dict:
@@ -54,7 +55,6 @@ class TensorBoardTracker:
 
 
 def make_trackers(names: list[str], cfg: Config, out: str | Path) -> list:
-    from moelab.cli import UsageError
 
     kinds = {"wandb": (WandbTracker, "wandb"), "tensorboard": (TensorBoardTracker, "tensorboardX")}
     trackers = []
