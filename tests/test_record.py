@@ -156,3 +156,73 @@ def test_the_health_step_refuses_a_forecast_the_journal_never_registered(tmp_pat
     assert res["steps"]["health"] == "FAILED"
     failed = next(e for e in runner.journal.read() if e["event"] == "step_failed")
     assert "RecordError" in failed["error"] and "not registered in" in failed["error"]
+
+
+# ------------------------------------------------------------------------------- leases that hold
+
+
+def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypatch):
+    """Runner A is frozen (SIGSTOP) inside step a past the lease timeout; runner B takes the step
+    over and finishes the experiment; A, resumed (SIGCONT), finishes its copy of step a but finds
+    another owner: exactly one SUCCESS and one outcome, A's set aside, and the journal says so."""
+    import os
+    import signal
+    import time
+
+    from test_lab import EXPERIMENT, _run_cli, runs, write_experiment
+
+    assert "LAB_SLEEP" in EXPERIMENT
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("LAB_COUNTS", str(counts))
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
+    exp_path, prefix = write_experiment(tmp_path / "exp9_chain.py"), tmp_path / "lab"
+    a = load_experiment(exp_path).all_steps()[0]
+    first = _run_cli(exp_path, prefix, {"LAB_SLEEP": "4"})
+    deadline = time.time() + 60
+    while not (counts / "a").exists():  # A is inside step a
+        assert time.time() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3)  # past the timeout: A's lease is stale
+        second = _run_cli(exp_path, prefix, {"LAB_SLEEP": "0"})
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err[-2000:]
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-2000:]
+    assert runs(counts) == {"a": 2, "b": 1, "c": 1}  # a ran in both; b and c once, by B
+    events = Journal(prefix / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    finished = [e for e in events if e["event"] == "step_finished" and e["step"] == "a"]
+    assert len(finished) == 1  # one commit
+    taken = [e for e in events if e["event"] == "lease_taken_over" and e["step"] == "a"]
+    lost = [e for e in events if e["event"] == "lease_lost" and e["step"] == "a"]
+    assert len(taken) == 1 and len(lost) == 1 and taken[0]["time"] < finished[0]["time"] < lost[0]["time"]
+    status = json.loads((prefix / f"{a.dirname()}.status").read_text())
+    assert status["status"] == "SUCCESS" and status["owner"] != lost[0]["owner"]  # B's
+    assert (prefix / a.dirname() / "outcome.json").exists()
+    aside = list((prefix / a.dirname()).glob("outcome.lost-*.json"))
+    assert [p.name for p in aside] == [lost[0]["set_aside"]]
+    assert not (prefix / f"{a.dirname()}.lease").exists()  # released by its owner, not by A
+
+
+def test_a_heartbeat_never_writes_over_a_newer_owner(tmp_path, monkeypatch):
+    import time
+
+    from moelab.lab.executor import Lease
+
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "0.8")  # a beat every 0.2 s
+    path = tmp_path / "x.lease"
+    a = Lease(path, "A")
+    assert a.try_acquire()
+    time.sleep(1.0)  # A beats: its lease stays fresh, and B cannot take it
+    assert not Lease(path, "B").try_acquire()
+    b = Lease(path, "B")
+    json_text = json.dumps({"owner": "B", "heartbeat": time.time() + 60})  # B took it over (A was frozen)
+    path.write_text(json_text)
+    time.sleep(0.6)  # A's heartbeat wakes: another owner is on record
+    assert a.lost and not a.holds() and json.loads(path.read_text())["owner"] == "B"
+    a.release()
+    assert path.exists() and json.loads(path.read_text())["owner"] == "B" and not b.lost

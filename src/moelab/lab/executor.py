@@ -8,6 +8,8 @@ that finds a stale lease (no heartbeat for MOELAB_LEASE_TIMEOUT seconds) takes i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -20,7 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from moelab.lab.graph import Experiment, Step, resolve
-from moelab.lab.journal import RUNNING, Journal, judge
+from moelab.lab.journal import RUNNING, Journal, Running, judge
 from moelab.train.record import git_state, host, versions
 
 
@@ -43,76 +45,90 @@ def read_status(prefix: Path, step: Step) -> str:
 
 
 class Lease:
-    """A lock file with a heartbeat; a stale one is taken over."""
+    """A lease file with a heartbeat, and a lock file that makes every change to it atomic.
+
+    Acquiring, taking over a stale lease, each heartbeat and the release all happen under an
+    exclusive ``flock`` on ``<lease>.lock``, and the lease is always replaced by a rename: there is
+    never a moment without a lease file, and a runner writes the lease only while it is the owner
+    on record (its owner string is unique to it). A holder that stalls past the timeout (a frozen
+    process, a long pause) finds another owner when it wakes: it stops claiming the lease, and the
+    runner does not commit the step (``holds``)."""
 
     def __init__(self, path: Path, owner: str):
         self.path, self.owner = path, owner
+        self.lock_path = path.with_name(f"{path.name}.lock")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: dict | None = None
         self.lost = False
 
-    def _record(self) -> dict:
-        return {"owner": self.owner, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.lock_path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _read(self) -> dict | None:
+        """The lease on disk (None when there is none); one a crash left unreadable counts from its mtime."""
+        try:
+            text, mtime = self.path.read_text(), self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            info = json.loads(text)
+            if not isinstance(info, dict):
+                raise ValueError
+            return info
+        except ValueError:
+            return {"unreadable": text[:200], "heartbeat": mtime}
+
+    def _write(self) -> None:
+        record = {"owner": self.owner, "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+        _write_atomic(self.path, record)
 
     def try_acquire(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return self._take_over_if_stale()
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self._record(), fh)
+        with self._locked():
+            held = self._read()
+            if held is not None:
+                if time.time() - float(held.get("heartbeat", 0)) <= lease_timeout():
+                    return False  # alive: wait for it
+                self.took_over = held  # stale: replaced in one rename, never removed first
+            self._write()
         self._thread = threading.Thread(target=self._beat, daemon=True)
         self._thread.start()
         return True
 
-    def _take_over_if_stale(self) -> bool:
-        try:
-            text, mtime = self.path.read_text(), self.path.stat().st_mtime
-        except FileNotFoundError:
-            return False  # just released: look again
-        try:
-            info = json.loads(text)
-            beat = info.get("heartbeat", 0)
-        except json.JSONDecodeError:  # a runner died between creating and writing it
-            info, beat = {"unreadable": text[:200]}, mtime
-        if time.time() - beat <= lease_timeout():
-            return False
-        grave = self.path.with_name(f"{self.path.name}.stale-{uuid.uuid4().hex[:8]}")
-        try:
-            os.rename(self.path, grave)  # only one runner wins this rename
-        except FileNotFoundError:
-            return False
-        if grave.read_text() != text:  # another runner took it over between our look and our rename
-            try:
-                os.link(grave, self.path)  # give theirs back, unless a newer lease is already there
-            except FileExistsError:
-                pass
-            grave.unlink(missing_ok=True)
-            return False
-        grave.unlink(missing_ok=True)
-        self.took_over = info
-        return self.try_acquire()
-
     def owned(self) -> bool:
-        try:
-            return json.loads(self.path.read_text()).get("owner") == self.owner
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False
+        with self._locked():
+            held = self._read()
+            return held is not None and held.get("owner") == self.owner
+
+    def holds(self) -> bool:
+        """Still the owner on record: what a runner checks before it commits a step."""
+        if not self.owned():
+            self.lost = True
+        return not self.lost
 
     def _beat(self) -> None:
         while not self._stop.wait(max(lease_timeout() / 4, 0.2)):
-            if not self.owned():  # taken over while we stalled: stop claiming it
-                self.lost = True
-                return
-            _write_atomic(self.path, self._record())
+            with self._locked():
+                held = self._read()
+                if held is None or held.get("owner") != self.owner:  # taken over while we stalled
+                    self.lost = True
+                    return
+                self._write()
 
     def release(self) -> None:
         self._stop.set()
         if self._thread:
             self._thread.join()
-        if self.owned():
-            self.path.unlink(missing_ok=True)
+        with self._locked():
+            held = self._read()
+            if held is not None and held.get("owner") == self.owner:
+                self.path.unlink(missing_ok=True)
 
 
 class Runner:
@@ -242,19 +258,22 @@ class Runner:
             out.mkdir(parents=True, exist_ok=True)
             config = resolve(step.config, lambda s: str(self.out(s)))
             started = time.time()
-            running = RUNNING.set((self.journal, step.name, step.dirname()))
+            running = RUNNING.set(Running(self.journal, step.name, step.dirname(), lease))
             try:
                 outcome = (call or step.fn)(config, out)
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
                 tb = traceback.format_exc()
                 (out / "error.txt").write_text(tb)
-                _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
+                held = lease.holds()  # a runner that lost the lease leaves the status to the one that has it
+                if held:
+                    _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
                 self.journal.write(
                     "step_failed",
                     step=step.name,
                     dir=step.dirname(),
                     error=f"{type(exc).__name__}: {exc}",
                     traceback=tb,
+                    **({} if held else {"lease_lost": True, "owner": self.owner}),
                 )
                 self.log(f"  {step.name}: FAILED ({type(exc).__name__}: {exc})")
                 if not isinstance(exc, Exception):
@@ -262,9 +281,16 @@ class Runner:
                 return "FAILED", None
             finally:
                 RUNNING.reset(running)
-            if lease.lost:
-                self.journal.write("lease_lost", step=step.name, dir=step.dirname())
             outcome = dict(outcome or {})
+            if not lease.holds():  # another runner took the step over while this one stalled: it commits, not us
+                aside = out / f"outcome.lost-{self.owner.replace(':', '-')}.json"
+                _write_atomic(aside, {"outcome": outcome, "start": started, "end": time.time(), "owner": self.owner})
+                self.journal.write("lease_lost", step=step.name, dir=step.dirname(), owner=self.owner,
+                                   note="taken over while this runner stalled; its outcome was set aside, not committed",
+                                   set_aside=aside.name)  # fmt: skip
+                self.log(f"  {step.name}: lease lost to another runner; outcome set aside in {aside.name}")
+                now = read_status(self.prefix, step)
+                return (now, self.result(step)) if now == "SUCCESS" else ("FAILED", None)
             for entry in outcome.pop("journal", []):  # registrations, before anything downstream starts
                 entry = dict(entry)
                 self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)

@@ -15,12 +15,9 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from moelab.lab.graph import Experiment, Prediction, verdict
-
-# (journal, step name, step dir) of the step running in this thread, so that a step can record what
-# happens while it runs (a forecast's updates), not only what its outcome carries at the end
-RUNNING = contextvars.ContextVar("moelab_running_step", default=None)
 
 
 class Journal:
@@ -79,6 +76,20 @@ class Journal:
 
     def change(self, what: str, why: str, step: int | None = None) -> dict:
         return self.write("change", what=what, why=why, at_step=step)
+
+
+class Running(NamedTuple):
+    """The step running in this thread: so that it can record what happens while it runs (a
+    forecast's updates), not only what its outcome carries at the end, and stop when its runner
+    has lost the step to another (``lease.lost``)."""
+
+    journal: Journal
+    step: str
+    dir: str
+    lease: object = None
+
+
+RUNNING = contextvars.ContextVar("moelab_running_step", default=None)
 
 
 def first_step_time(events: list[dict]) -> float | None:

@@ -29,15 +29,22 @@ def _train(cfg: dict, out: Path) -> dict:
 
     on_update = None
     running = RUNNING.get()
+    stop = None
     if running is not None:  # each refit of the forecast goes into the journal as it happens
-        journal, name, dirname = running
+        journal, name, dirname, lease = running
 
         def on_update(upd: dict) -> None:
             journal.write("forecast_updated", step=name, dir=dirname, at_step=upd["at_step"], law=upd["law"],
                           final=upd["final"], note="an update; the registered forecast stays what is judged")  # fmt: skip
 
+        if lease is not None:  # another runner took this step over while we stalled: stop training into it
+
+            def stop() -> bool:
+                return lease.lost
+
     # resume=True: a rerun of a failed step continues from its newest checkpoint
-    return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update)
+    return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
+                 stop=stop)  # fmt: skip
 
 
 def _estimate(cfg: dict) -> dict:
@@ -157,7 +164,7 @@ def _health(cfg: dict, out: Path) -> dict:
     versions = RunDir(run).forecast_versions()
     running = RUNNING.get()
     if fc is not None and versions and running is not None:  # and every version of it is in the journal
-        journal = running[0]
+        journal = running.journal
         registered = {e["hash"] for e in journal.read() if e["event"] == "forecast_registered"}
         missing = [v for v in versions if v["hash"] not in registered]
         if missing:

@@ -187,12 +187,15 @@ def train(
     progress: bool = True,
     trackers=(),
     on_forecast_update=None,
+    stop=None,
 ) -> dict:
     """Train ``cfg`` into ``out``; returns the summary (also written to summary.json).
 
     With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned).
     ``on_forecast_update(update)`` is called with each refit of the run's forecast (see
-    ``train.forecast_update_every``), after it is written to forecast_updates.jsonl."""
+    ``train.forecast_update_every``), after it is written to forecast_updates.jsonl. ``stop()``,
+    asked before every step, ends the run (RunError) without writing more when it says so: the lab
+    asks whether this runner still holds the step's lease."""
     from tqdm import tqdm
 
     run = RunDir(out)
@@ -338,6 +341,8 @@ def train(
         timing, warm = [0.0, 0], False  # seconds and steps since the last log line
         s = start
         while s < steps:
+            if stop is not None and stop():
+                raise RunError(f"stopped at step {s}: another runner holds this run now; nothing more is written")
             if fault:
                 fault("step", s)
             if s in skip:  # a batch the NaN guard ruled out: no update, evals and checkpoints as usual
