@@ -293,6 +293,28 @@ def test_checkpoints_move_between_meshes(corpus, single_device_run, tmp_path):
         ),
         (["mesh.expert=4"], None, "there are 8 devices"),
         (["mesh.expert=8", "train.batch_size=4"], None, "train.batch_size: 4 sequences do not split"),
+        # settings the transports would not honour: refused, not silently changed
+        (
+            ["mesh.expert=8", "train.batch_size=8", "model.dispatch=spill"],
+            None,
+            "model.ep_transport: fixed with model.dispatch=spill",
+        ),
+        (["mesh.expert=8", "train.batch_size=8", "model.ep_transport=spill"], None, "set model.dispatch=spill"),
+        (
+            ["mesh.expert=8", "train.batch_size=8", "model.capacity_group=64"],
+            None,
+            "each device's 32 tokens are one capacity group",
+        ),
+        (
+            ["mesh.expert=8", "train.batch_size=8", "model.ep_transport=pooled_wave", "model.drop_order=score"],
+            None,
+            "model.drop_order: pooled_wave",
+        ),
+        (
+            ["mesh.expert=8", "train.batch_size=8", "model.dispatch=dropless", "model.ep_transport=pooled_wave"],
+            None,
+            "dropless exchanges every assignment",
+        ),
     ],
 )
 def test_bad_meshes_are_refused_with_one_line(corpus, tmp_path, sets, devices, why):

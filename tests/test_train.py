@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,6 +55,41 @@ def test_lr_auto_is_marin_heuristic(marin):
     assert h.peak_lr == pytest.approx(ref["adam_lr"], rel=1e-3)
     assert h.muon_lr == pytest.approx(ref["muon_lr"], rel=1e-3)
     assert h.beta2 == 0.95  # clip(0.999^(46137344/131072), 0.95, 0.9999)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_weight_decay_is_what_the_mask_says_in_the_updates(name):
+    """With zero gradients an update is the decoupled weight decay alone: -rate * decay * weight on
+    the decayed parameters (Muon's rate on its matrices, Adam's on the rest), nothing on norms and
+    embeddings; under Muon too (optax's muon alone would decay its Adam branch without the mask)."""
+    from moelab.train.step import init_train_state
+
+    cfg = load_config("tiny", MICRO + [f"train.optimizer={name}", "train.lr=0.01", "train.weight_decay=0.1",
+                                       "train.muon_lr_ratio=3.0", "train.warmup_frac=0.0"])  # fmt: skip
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    params = state["params"]
+    opt_state, _ = optim.set_lr(state["opt_state"], 0, h)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(opt.update)(zeros, opt_state, params)
+    muon_rate = 0.03 if name == "muon" else 0.01
+    for leaf, rate in (("embed", 0.0), ("final_norm", 0.0), ("head", 0.01)):
+        np.testing.assert_allclose(updates[leaf], -rate * 0.1 * params[leaf], rtol=1e-5, atol=1e-9)
+    for leaf, rate in (
+        ("attn_norm", 0.0),
+        ("mlp_norm", 0.0),
+        ("router", 0.01),
+        ("wq", muon_rate),
+        ("w_gate", muon_rate),
+    ):
+        np.testing.assert_allclose(updates["layers"][leaf], -rate * 0.1 * params["layers"][leaf], rtol=1e-5, atol=1e-9)
+
+
+def test_muon_ratio_holds_under_lr_auto():
+    cfg = load_config("tiny", ["train.lr=auto", "train.optimizer=muon", "train.muon_lr_ratio=2.5"])
+    h = optim.hyper(cfg)
+    assert h.muon_lr == pytest.approx(2.5 * h.peak_lr)
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
@@ -412,3 +448,39 @@ def test_fault_arguments():
     assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
     with pytest.raises(ValueError, match="not a domain"):
         Injector(["data_corruption@2:poetry"], ["code"])
+
+
+def test_a_run_resumed_after_a_restore_restores_again_as_the_uninterrupted_one(corpus, tmp_path):
+    """Two NaN streaks with a checkpoint between them: the uninterrupted run restores twice; a run
+    resumed from the checkpoint written after the first restore must do the same, not stop."""
+    import shutil
+
+    cfg = _micro(corpus, "train.steps=30", "train.poison_steps=[12, 13, 14, 22, 23, 24]", "train.eval_every=30")
+    train(cfg, tmp_path / "ref", progress=False)
+    restores = [e for e in read_jsonl(tmp_path / "ref" / "events.jsonl") if e["event"] == "nan_restore"]
+    assert [e["restored_step"] for e in restores] == [10, 20]
+    meta = json.loads((tmp_path / "ref" / "ckpt" / "step_00000020" / "meta.json").read_text())
+    assert meta["nan_guard"]["restored"] is False  # written after the first restore: a fresh place to restore to
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "ckpt" / "step_00000030")  # as if it had died before step 30's checkpoint
+    train(cfg, tmp_path / "run", resume=True, progress=False)
+    ref = [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl") if r["kind"] == "train"]
+    got = [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert got == ref
+
+
+def test_mfu_is_per_device_against_the_compute_dtype_peak(corpus, tmp_path):
+    from moelab import accounting
+    from moelab.train.record import matmul_peak
+
+    cfg = _micro(
+        corpus, "train.steps=6", "train.eval_every=6", "mesh.data=8", "train.batch_size=8", "train.log_every=2"
+    )
+    train(cfg, tmp_path / "run", progress=False)
+    per_token = 3 * accounting.count(cfg).forward_flops_per_token
+    recs = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    for r in recs[1:]:  # the first log step timed nothing (it compiled)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / (1e11 * 8), rel=1e-9)  # eight devices
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["devices"] == 8 and summary["peak_flops"] == 1e11
+    assert matmul_peak(sizes=(256,), repeats=1, dtype="bfloat16") > 0  # the compute dtype's own peak is measured

@@ -129,7 +129,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     times = np.array(times)
     steps_peak = peak_rss_since_reset() if separate else peak_rss_bytes()
     med = float(np.median(times))
-    peak = matmul_peak()
+    peak = matmul_peak(dtype=cfg.model.compute_dtype)
     count = accounting.count(cfg)
     flops_per_token = 3 * count.forward_flops_per_token
     tps = b * s / med
@@ -165,6 +165,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
         "model_flops_per_token": flops_per_token,
         "achieved_flops_per_s": tps * flops_per_token,
         "matmul_peak_flops_per_s": peak,
+        "compute_dtype": cfg.model.compute_dtype,
         "mfu": tps * flops_per_token / peak,
         "final_loss": float(metrics["loss"]),
         "backend": jax.default_backend(),
@@ -209,6 +210,6 @@ def print_result(r: dict) -> None:
         f"compiling left {mib(r['compile_resident_bytes'])} resident; process peak {mib(r['peak_rss_bytes'])}"
     )
     print(
-        f"  MFU {r['mfu']:.1%} of the measured fp32 matmul peak ({r['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+        f"  MFU {r['mfu']:.1%} of the measured {r.get('compute_dtype', 'float32')} matmul peak ({r['matmul_peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
         f"{r['backend']}, {r['devices']} device(s){', huge pages' if r.get('hugepages') else ''})"
     )

@@ -589,6 +589,35 @@ def _check_mesh(cfg: Config) -> list[str]:
         )
     if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
         e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
+    if cfg.mesh.expert > 1:
+        e.extend(_check_ep(cfg))
+    return e
+
+
+def _check_ep(cfg: Config) -> list[str]:
+    """Under expert parallelism the transport does the dispatch: a setting it would not honour is refused."""
+    m, e = cfg.model, []
+    allowed = {"dropless": ("fixed",), "capacity": ("fixed", "pooled_wave"), "spill": ("spill",)}.get(m.dispatch, ())
+    if allowed and m.ep_transport not in allowed:
+        why = {
+            "dropless": "dropless exchanges every assignment; the transport matters to capacity and spill only",
+            "capacity": "the spill transport would move overflow to next-ranked experts: set model.dispatch=spill",
+            "spill": "only the spill transport spills; set model.ep_transport=spill",
+        }[m.dispatch]
+        e.append(
+            f"model.ep_transport: {m.ep_transport} with model.dispatch={m.dispatch} under expert parallelism: {why}"
+        )
+    shards = cfg.mesh.data * cfg.mesh.expert
+    per_device = cfg.train.batch_size * m.seq_len // shards if shards > 0 else 0
+    if m.capacity_group not in (0, per_device):
+        e.append(
+            f"model.capacity_group: under expert parallelism each device's {per_device} tokens are one capacity "
+            f"group; set 0 (or {per_device})"
+        )
+    if m.drop_order == "score" and m.ep_transport == "pooled_wave":
+        e.append(
+            "model.drop_order: pooled_wave fills receivers round-robin, not by score; use position, or fixed/spill"
+        )
     return e
 
 

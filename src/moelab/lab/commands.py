@@ -63,7 +63,7 @@ def measured_rate(prefix: Path) -> float | None:
     for summary in Path(prefix).glob("*/summary.json"):
         s = json.loads(summary.read_text())
         if s.get("mfu") and s.get("peak_flops"):
-            rates.append(s["mfu"] * s["peak_flops"])
+            rates.append(s["mfu"] * s["peak_flops"] * s.get("devices", 1))
     return max(rates) if rates else None
 
 

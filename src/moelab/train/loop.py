@@ -247,7 +247,9 @@ def train(
     pmesh.set_active(mesh)  # the train step's MoE blocks trace their transports on this mesh
     step_fn = make_train_step(cfg, opt, h)
     evaluator = Evaluator(cfg, store)
-    peak = cfg.train.peak_flops or matmul_peak()
+    # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
+    peak = cfg.train.peak_flops or matmul_peak(dtype=cfg.model.compute_dtype)
+    n_devices = cfg.mesh.data * cfg.mesh.expert
     flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
     evals = eval_points(cfg, steps)
     poison = set(cfg.train.poison_steps)
@@ -322,7 +324,7 @@ def train(
             extra = {
                 "tokens_per_s": tps,
                 "step_time": t_sum / n if n else float("nan"),
-                "mfu": tps * flops_per_token / peak,
+                "mfu": tps * flops_per_token / (peak * n_devices),
                 "phase": mixture.phase_at(done - 1),
             }
             record(_train_record(done, cfg, m, extra))
@@ -331,8 +333,10 @@ def train(
         if done in evals:
             do_eval(done)
         if done % cfg.train.checkpoint_every == 0 or done == steps:
-            do_checkpoint(done)
+            # a new checkpoint is a new place to restore to: the guard may restore again, and the
+            # checkpoint says so, or a run resumed from it would stop where this one restores
             guard["restored"] = False
+            do_checkpoint(done)
 
     try:
         if start == 0 and not cursor_ok:
@@ -428,5 +432,6 @@ def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:
         out["first_eval"] = {"loss": eval_recs[0]["loss"], "bpb": eval_recs[0]["bpb"]}
         out["final_eval"] = {k: eval_recs[-1][k] for k in ("loss", "bpb", "loss_dropless", "bpb_dropless")}
     if peak:
-        out["peak_flops"] = peak
+        out["peak_flops"] = peak  # one device's, in the compute dtype; MFU is per device
+        out["devices"] = cfg.mesh.data * cfg.mesh.expert
     return out

@@ -68,7 +68,8 @@ def hyper(cfg: Config) -> Hyper:
     tokens_per_batch = t.batch_size * cfg.model.seq_len
     if t.lr == "auto":
         auto = marin_lr(steps * tokens_per_batch, cfg.model.d_model, tokens_per_batch)
-        peak, muon, beta2, eps = auto["adam_lr"], auto["muon_lr"], auto["beta2"], auto["eps"]
+        peak, beta2, eps = auto["adam_lr"], auto["beta2"], auto["eps"]
+        muon = peak * t.muon_lr_ratio  # Marin's 13/3 is the field's default; a recipe may set another
     else:
         peak, muon, beta2, eps = float(t.lr), float(t.lr) * t.muon_lr_ratio, t.beta2, 1e-8
     warmup = int(round(t.warmup_frac * steps))
@@ -162,6 +163,9 @@ def make_optimizer(cfg: Config, h: Hyper) -> optax.GradientTransformation:
     """
     t = cfg.train
     if t.optimizer == "muon":
+        # two optimisers over a partition of the parameters: Muon for the matrices it orthogonalises,
+        # AdamW with the decay mask for the rest (optax's muon would decay its Adam branch unmasked:
+        # norms and embeddings too)
 
         def dims(params):
             def one(name, _):
@@ -170,17 +174,23 @@ def make_optimizer(cfg: Config, h: Hyper) -> optax.GradientTransformation:
 
             return _labels(params, one)
 
-        opt = optax.inject_hyperparams(optax.contrib.muon, static_args=MUON_STATIC)(
+        def labels(params):
+            return _labels(params, lambda name, _: "muon" if name in MUON_AXES else "adam")
+
+        muon = optax.inject_hyperparams(optax.contrib.muon, static_args=MUON_STATIC)(
             learning_rate=h.muon_lr,
             beta=h.beta1,
             weight_decay=t.weight_decay,
             weight_decay_mask=decay_mask,
             adam_b1=h.beta1,
             adam_b2=h.beta2,
-            adam_weight_decay=t.weight_decay,
-            adam_learning_rate=h.peak_lr,
+            adam_weight_decay=0.0,  # it sees no Adam parameter: the partition gives those to AdamW
             muon_weight_dimension_numbers=dims,
         )
+        adam = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+            learning_rate=h.peak_lr, b1=h.beta1, b2=h.beta2, eps=h.eps, weight_decay=t.weight_decay, mask=decay_mask
+        )
+        opt = optax.partition({"muon": muon, "adam": adam}, labels)
     else:
         opt = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
             learning_rate=h.peak_lr, b1=h.beta1, b2=h.beta2, eps=h.eps, weight_decay=t.weight_decay, mask=decay_mask
@@ -194,13 +204,20 @@ def set_lr(opt_state, step, h: Hyper, scale=1.0):
     injection raises); returns (state, adam rate)."""
     factor = lr_factor(step, h) * scale
     clip_state, inner = opt_state
-    hp = dict(inner.hyperparams)
-    if "adam_learning_rate" in hp:  # Muon: its own rate for matrices, Adam's for the rest
-        hp["learning_rate"] = jnp.asarray(h.muon_lr * factor, hp["learning_rate"].dtype)
-        hp["adam_learning_rate"] = jnp.asarray(h.peak_lr * factor, hp["adam_learning_rate"].dtype)
+
+    def with_rate(state, rate):
+        hp = dict(state.hyperparams)
+        hp["learning_rate"] = jnp.asarray(rate * factor, hp["learning_rate"].dtype)
+        return state._replace(hyperparams=hp)
+
+    if hasattr(inner, "inner_states"):  # Muon: its own rate for matrices, Adam's for the rest
+        states = dict(inner.inner_states)
+        states["muon"] = states["muon"]._replace(inner_state=with_rate(states["muon"].inner_state, h.muon_lr))
+        states["adam"] = states["adam"]._replace(inner_state=with_rate(states["adam"].inner_state, h.peak_lr))
+        inner = inner._replace(inner_states=states)
     else:
-        hp["learning_rate"] = jnp.asarray(h.peak_lr * factor, hp["learning_rate"].dtype)
-    return (clip_state, inner._replace(hyperparams=hp)), h.peak_lr * factor
+        inner = with_rate(inner, h.peak_lr)
+    return (clip_state, inner), h.peak_lr * factor
 
 
 GROUPS = {

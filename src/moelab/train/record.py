@@ -157,14 +157,15 @@ def host() -> dict:
     }
 
 
-def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3) -> float:
-    """Best fp32 FLOP/s of a square matmul over a few sizes: the machine's own peak for MFU."""
+def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3, dtype: str = "float32") -> float:
+    """Best FLOP/s of a square matmul in ``dtype`` (the model's compute dtype) over a few sizes, on
+    one device: the machine's own peak for MFU."""
     import jax
     import jax.numpy as jnp
 
     best = 0.0
     for n in sizes:
-        a = jnp.ones((n, n), jnp.float32)
+        a = jnp.ones((n, n), jnp.dtype(dtype))
         f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()
         for _ in range(repeats):
