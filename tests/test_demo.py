@@ -13,8 +13,9 @@ from moelab.lab.steps import eval_step, train_step
 train = train_step("short", "tiny", OVERRIDES, progress=False)
 evaluate = eval_step("short-eval", output_of(train))
 experiment = Experiment(issue=4, slug="short", title="A short run", goal="Exercise the demo.",
-    hypothesis="The loss falls below its start.",
-    prediction=Prediction(metric="short-eval:loss_dropless.macro", value=6.0, low=0.0, high=20.0), steps=[evaluate])
+    hypothesis="Six steps take the held-out loss below a uniform guess over the 512 tokens, ln 512 = 6.238.",
+    prediction=Prediction(metric="short-eval:loss_dropless.macro", value=5.9, low=4.0, high=6.238,
+                          falsify_low=3.0, falsify_high=6.5), steps=[evaluate])
 """
 
 
@@ -30,6 +31,8 @@ def test_demo_prints_accounting_runs_the_experiment_and_writes_the_site(corpus, 
     assert worst < 0.5
     for domain in ("code", "prose", "macro"):
         assert re.search(rf"^  {domain}\s+[0-9.]+\s+[0-9.]+", text, re.M), domain
-    assert "tokens/s" in text and "MFU" in text and "verdict: CONFIRMED" in text
+    assert "tokens/s" in text and "MFU" in text
+    outcome = float(re.search(r"^  macro\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)", text, re.M).group(1))  # dropless
+    assert 4.0 <= outcome <= 6.238 and "verdict: CONFIRMED" in text  # it learned something, and the verdict says so
     assert f"site: {(tmp_path / 'site' / 'index.html').resolve()}" in text
     assert (tmp_path / "site" / "exp4_short.html").exists()

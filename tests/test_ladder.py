@@ -161,12 +161,43 @@ def test_synthetic_faults_raise_an_alert_at_the_right_step(fault, check):
     assert all(step >= 600 for _, step in alerts(mon))  # nothing flagged before it
 
 
-def test_wrong_learning_rate_and_non_finite_values_alert():
+def test_non_finite_values_alert():
     recs = synthetic_run(n=30)
-    recs[20]["lr"] = 5e-3
     recs[25]["loss"] = float("nan")
-    mon = check_records(recs, lr_at=lambda s: 1e-3)
-    assert ("lr_schedule", recs[20]["step"]) in alerts(mon) and ("non_finite", recs[25]["step"]) in alerts(mon)
+    mon = check_records(recs)
+    assert ("non_finite", recs[25]["step"]) in alerts(mon)
+
+
+def test_a_schedule_bug_in_the_optimiser_is_caught_by_the_rate_it_applied(corpus, tmp_path, monkeypatch):
+    """A bug in how the optimiser's rate is set (here: the state gets the rate of a step 10 steps
+    later, so warmup is skipped, while the rate it reports is right) is invisible to the schedule
+    function and to the reported rate; the check holds the rate the optimiser applied, read from its
+    state, against the plan registered at launch, and ALERTs."""
+    from conftest import MICRO
+    from moelab.config import load_config
+    from moelab.train import optim
+    from moelab.train.loop import train
+    from moelab.train.record import read_jsonl
+
+    cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=20",
+                               "train.warmup_frac=0.5", "train.eval_every=20"])  # fmt: skip
+    right = optim.set_lr
+    train(cfg, tmp_path / "ok", progress=False)
+    monkeypatch.setattr(
+        optim,
+        "set_lr",
+        lambda state, step, h, scale=1.0: (right(state, step + 10, h, scale)[0], right(state, step, h, scale)[1]),
+    )
+    train(cfg, tmp_path / "bug", progress=False)
+
+    def lr_alerts(run):
+        return [e["step"] for e in read_jsonl(run / "events.jsonl") if e["event"] == "health"
+                and e["check"] == "lr_schedule" and e["level"] == "ALERT"]  # fmt: skip
+
+    assert lr_alerts(tmp_path / "ok") == [] and lr_alerts(tmp_path / "bug") == [1]
+    plan = np.load(tmp_path / "bug" / "lr_plan.npy")
+    applied = [r["lr"] for r in read_jsonl(tmp_path / "bug" / "metrics.jsonl") if r["kind"] == "train"]
+    assert applied[0] == pytest.approx(plan[10]) and applied[0] != pytest.approx(plan[0])
 
 
 # ------------------------------------------------------------------ ladder plans
@@ -250,7 +281,8 @@ def test_forecast_recovers_the_curve_of_a_known_law(tmp_path):
     assert fc["fractions"] == FRACTIONS
     for f, pred, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"], strict=True):
         assert pred == pytest.approx(law(target * f), rel=0.01)
-        assert lo <= law(target * f) + 1e-6 and hi >= law(target * f) - 1e-6 or hi - lo < 1e-3
+        truth = law(target * f)
+        assert lo <= truth <= hi  # the band holds the truth (a resample of two distinct rungs varies the fit)
 
 
 def test_the_forecast_at_a_fraction_uses_only_that_fractions_points(tmp_path):
@@ -273,6 +305,16 @@ def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
     assert max(abs(r["error"]) for r in bt["curve"]) < 0.01  # the law is exact, so is the fit
     assert len(out["ends"]) == 4 and max(abs(r["error"]) for r in out["ends"]) < 0.01
     assert ends([rung_curve(d) for d in dirs]) == out["ends"]
+    # the predicted rung never reaches the fit: its losses doubled, the prediction stays, the error moves
+    with open(dirs[-1] / "metrics.jsonl") as fh:
+        recs = [json.loads(x) for x in fh]
+    with open(dirs[-1] / "metrics.jsonl", "w") as fh:
+        for r in recs:
+            fh.write(json.dumps({**r, "loss_dropless": {"macro": 2 * r["loss_dropless"]["macro"]}}) + "\n")
+    res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")
+    (poisoned,) = json.loads(res.stdout)["backtests"]
+    assert [r["predicted"] for r in poisoned["curve"]] == [r["predicted"] for r in bt["curve"]]
+    assert all(r["error"] < -0.45 for r in poisoned["curve"])
 
 
 def test_forecast_and_backtest_commands(tmp_path):

@@ -141,11 +141,32 @@ def test_metrics_per_layer_have_their_shapes():
 
 
 def test_bf16_compute_is_close_to_fp32():
+    from moelab.model.moe import moe_block
+    from moelab.model.transformer import FP32_PARAMS
+
     m, p, st = small_lm()
+    m16 = dataclasses.replace(m, compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 17), 0, 64)
     l32 = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m)[0]
-    l16 = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], dataclasses.replace(m, compute_dtype="bfloat16"))[0]
+    l16 = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m16)[0]
     assert np.isfinite(float(l16)) and float(l16) == pytest.approx(float(l32), rel=2e-2)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    # the hidden states, and each MoE block's own output, not only the loss: a block that returned
+    # zeros in bf16 would move these by 100%
+    h32, h16 = forward(p, st, tokens[:, :-1], m)[0], forward(p, st, tokens[:, :-1], m16)[0]
+    assert rel(h16, h32) < 8e-2  # bf16 keeps about 3 digits; over two layers about 4% here
+    x = jax.random.normal(jax.random.PRNGKey(6), (2, 16, m.d_model))
+    for i in range(m.n_layers):
+        layer = {k: v[i] for k, v in p["layers"].items()}
+        y32 = moe_block(layer, x, st["router_bias"][i], m, "dropless")[0]
+        half = {k: v if k in FP32_PARAMS else v.astype(jnp.bfloat16) for k, v in layer.items()}
+        y16 = moe_block(half, x.astype(jnp.bfloat16), st["router_bias"][i], m16, "dropless")[0]
+        assert y16.dtype == jnp.bfloat16 and float(jnp.linalg.norm(y32)) > 0.1
+        assert rel(y16, y32) < 3e-2, i
 
 
 def test_tiny_overfits_one_batch():

@@ -48,8 +48,11 @@ def pipeline(corpus, tmp_path_factory):
 def test_every_step_succeeds_and_is_judged(pipeline):
     runner, result, steps = pipeline
     assert set(result["steps"].values()) == {"SUCCESS"}, result
-    assert result["verdict"]["verdict"] in ("CONFIRMED", "INCONCLUSIVE", "FALSIFIED")
-    assert result["verdict"]["outcome"] is not None
+    # the verdict is the prediction's rule applied to the health step's own number
+    outcome = json.loads((runner.out(steps["health"]) / "health.json").read_text())["forecast"]["final_error_pct"]
+    assert result["verdict"]["outcome"] == pytest.approx(outcome)
+    assert result["verdict"]["verdict"] == ("CONFIRMED" if -50 <= outcome <= 50 else "FALSIFIED")
+    assert result["verdict"]["pre_registered"] and result["post_hoc_verdict"] is None
 
 
 def test_the_forecast_is_registered_before_the_targets_first_step(pipeline):

@@ -438,16 +438,25 @@ def test_an_injected_fault_is_caught_by_the_health_checks(corpus, tmp_path):
 def test_fault_arguments():
     from moelab.ladder.faults import Injector, parse
 
-    assert parse("lr_spike@10").arg == 10.0 and parse("zloss_off@3:2").arg == 2.0
+    assert parse("lr_spike@10").arg == 10.0 and parse("zloss_off@3").arg is None
+    for bad, why in (("zloss_off@3:2", "takes no argument"), ("lr_spike@-1", ">= 0"), ("lr_high@4:0", "> 0")):
+        with pytest.raises(ValueError, match=why):
+            parse(bad)
     inj = Injector(["zloss_off@5", "router_collapse@8:3", "data_corruption@2:prose"], ["code", "prose"])
     args = inj.step_args(9)
-    assert float(args["lr_scale"]) == 3.0 and float(args["logit_z_scale"]) == 0.0 and bool(args["freeze_bias"])
-    assert float(inj.step_args(4)["lr_scale"]) == 1.0
+    # each fault changes one thing: z-loss off leaves the learning rate alone
+    assert float(args["lr_scale"]) == 1.0 and float(args["logit_z_scale"]) == 0.0 and bool(args["freeze_bias"])
+    assert float(inj.step_args(4)["logit_z_scale"]) == 1.0
     batch = np.zeros((4, 8), np.int32)
     out = inj.corrupt(3, batch, np.array([0, 1, 0, 1]), ["code", "prose"], 512, 0)
     assert (out[[0, 2]] == 0).all() and (out[[1, 3]] != 0).any()
     with pytest.raises(ValueError, match="not a domain"):
         Injector(["data_corruption@2:poetry"], ["code"])
+    # a wrong plan (lr_high) is in the plan and applied; a spike is applied only; a stuck loader repeats
+    inj = Injector(["lr_high@0:3", "lr_spike@10:2", "data_stuck@20:4"], ["code"])
+    assert inj.plan_scale(5) == 3.0 and float(inj.step_args(5)["lr_scale"]) == 3.0
+    assert inj.plan_scale(12) == 3.0 and float(inj.step_args(12)["lr_scale"]) == 6.0
+    assert [inj.data_step(s) for s in (19, 20, 23, 24, 29)] == [19, 20, 23, 20, 21]
 
 
 def test_a_run_resumed_after_a_restore_restores_again_as_the_uninterrupted_one(corpus, tmp_path):

@@ -1,9 +1,14 @@
 """Fault injection, to test the health checks: `moelab train --inject KIND@STEP[:ARG]`.
 
-- lr_spike@S[:F]        the learning rate times F (10) from step S on
+Each fault changes one thing, from step S on:
+- lr_spike@S[:F]        the learning rate the optimiser applies, times F (10): the plan stays as it was
+- lr_high@S[:F]         the planned learning rate itself times F (3), as a wrong config would: only
+                        what the model does can show it
 - data_corruption@S[:D] rows of domain D (every domain when D is left out) become random tokens
+- data_stuck@S[:N]      the loader repeats the N (4) batches from step S over and over
 - router_collapse@S[:E] balancing switched off and expert E's (0) router bias pushed up by 10
-- zloss_off@S[:F]       the logit z-loss switched off and the learning rate times F (3)
+- router_drift@S[:R]    expert 0's router weights grow by a factor (1 + R) (R = 0.02) every step
+- zloss_off@S           the logit z-loss switched off (nothing else)
 Each fault is recorded as an event when it starts.
 """
 
@@ -13,7 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = {"lr_spike": 10.0, "data_corruption": "", "router_collapse": 0, "zloss_off": 3.0}
+KINDS = {
+    "lr_spike": 10.0,
+    "lr_high": 3.0,
+    "data_corruption": "",
+    "data_stuck": 4,
+    "router_collapse": 0,
+    "router_drift": 0.02,
+    "zloss_off": None,
+}
 
 
 @dataclass(frozen=True)
@@ -33,7 +46,13 @@ def parse(spec: str) -> Fault:
         step_n = int(step)
     except ValueError:
         raise ValueError(f"{spec!r}: the step {step!r} is not a whole number") from None
+    if step_n < 0:
+        raise ValueError(f"{spec!r}: the step must be >= 0, got {step_n}")
     default = KINDS[kind]
+    if default is None:
+        if arg:
+            raise ValueError(f"{spec!r}: {kind} takes no argument")
+        return Fault(kind, step_n, None)
     if not arg:
         value = default
     elif isinstance(default, str):
@@ -43,6 +62,8 @@ def parse(spec: str) -> Fault:
             value = type(default)(arg)
         except ValueError:
             raise ValueError(f"{spec!r}: {arg!r} is not a number") from None
+        if value <= 0:
+            raise ValueError(f"{spec!r}: the argument must be > 0, got {arg}")
     return Fault(kind, step_n, value)
 
 
@@ -59,18 +80,32 @@ class Injector:
     def starting(self, step: int) -> list[Fault]:
         return [f for f in self.faults if step == f.step]
 
+    def plan_scale(self, step: int) -> float:
+        """How much the planned learning rate itself is off at ``step`` (lr_high)."""
+        scale = 1.0
+        for f in self.active(step):
+            if f.kind == "lr_high":
+                scale *= float(f.arg)
+        return scale
+
     def step_args(self, step: int) -> dict:
         """The traced fault arguments of the train step at ``step``."""
-        lr, z, freeze = 1.0, 1.0, False
+        lr, z, freeze = self.plan_scale(step), 1.0, False
         for f in self.active(step):
             if f.kind == "lr_spike":
                 lr *= float(f.arg)
             elif f.kind == "zloss_off":
-                lr *= float(f.arg)
                 z = 0.0
             elif f.kind == "router_collapse":
                 freeze = True
         return {"lr_scale": np.float32(lr), "logit_z_scale": np.float32(z), "freeze_bias": np.bool_(freeze)}
+
+    def data_step(self, step: int) -> int:
+        """The batch the loader serves at ``step`` (data_stuck repeats a few)."""
+        for f in self.active(step):
+            if f.kind == "data_stuck":
+                return f.step + (step - f.step) % int(f.arg)
+        return step
 
     def corrupt(
         self, step: int, batch: np.ndarray, rows_domain: np.ndarray, domains: list[str], vocab: int, seed: int
@@ -85,11 +120,16 @@ class Injector:
         return batch
 
     def edit_state(self, step: int, state: dict) -> dict:
-        """At a router collapse's first step, push one expert's bias up in every layer."""
-        for f in self.starting(step):
-            if f.kind == "router_collapse":
+        """A router collapse pushes one expert's bias up at its first step; a drift grows expert 0's
+        router weights a little every step."""
+        for f in self.active(step):
+            if f.kind == "router_collapse" and step == f.step:
                 bias = state["model_state"]["router_bias"]
                 state = dict(
                     state, model_state={**state["model_state"], "router_bias": bias.at[:, int(f.arg)].add(10.0)}
                 )
+            elif f.kind == "router_drift":
+                layers = state["params"]["layers"]
+                router = layers["router"].at[..., 0].multiply(1.0 + float(f.arg))
+                state = dict(state, params={**state["params"], "layers": {**layers, "router": router}})
         return state

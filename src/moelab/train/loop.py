@@ -263,8 +263,14 @@ def train(
     if jax.process_index() == 0 and run.forecast.is_file() and not run.forecast_versions():
         run.register_forecast("launch", step=start)
     forecast = run.verified_forecast()
+    # the learning-rate plan, registered at launch: the rate each step should apply (a wrong config,
+    # lr_high, is in it); the health check holds the rate the optimiser applied against it
+    plan = h.peak_lr * np.asarray(optim.lr_factor(np.arange(steps), h), np.float64)
+    plan *= np.array([injector.plan_scale(x) for x in range(steps)])
+    if jax.process_index() == 0:
+        run.register_lr_plan(plan, start_step=start)
     monitor = HealthMonitor(
-        lr_at=lambda step: h.peak_lr * float(optim.lr_factor(step, h)),
+        lr_at=lambda step: plan[min(step, steps - 1)],
         forecast=forecast,
         ladder=ladder_from_forecast(forecast),  # the rungs the forecast came from, when at hand
         steps=steps,
@@ -354,7 +360,7 @@ def train(
                 bar.update(1)
                 after_step(s, None, timing)
                 continue
-            batch, rows_domain = batch_at(store, mixture, cfg.train.seed, s, b, s_len)
+            batch, rows_domain = batch_at(store, mixture, cfg.train.seed, injector.data_step(s), b, s_len)
             if mesh is not None:
                 batch = pmesh.put_batch(batch, mesh)
             for f in injector.starting(s):

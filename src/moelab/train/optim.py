@@ -220,6 +220,14 @@ def set_lr(opt_state, step, h: Hyper, scale=1.0):
     return (clip_state, inner), h.peak_lr * factor
 
 
+def applied_rate(opt_state) -> jax.Array:
+    """The rate the optimiser applies to the parameters outside Muon (Adam's), read from its state."""
+    inner = opt_state[1]
+    if hasattr(inner, "inner_states"):
+        inner = inner.inner_states["adam"].inner_state
+    return inner.hyperparams["learning_rate"]
+
+
 GROUPS = {
     "embedding": ("embed",),
     "head": ("head",),

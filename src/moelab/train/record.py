@@ -44,6 +44,24 @@ class RunDir:
     def read_events(self) -> list[dict]:
         return read_jsonl(self.events)
 
+    # ------------------------------------------------------------------ the learning-rate plan
+
+    @property
+    def lr_plan(self) -> Path:
+        return self.path / "lr_plan.npy"
+
+    def register_lr_plan(self, plan: np.ndarray, **fields) -> dict:
+        """The rate each step should apply, as planned at this launch: lr_plan.npy and a ``schedule``
+        event with its hash (a re-planned run's next launch registers its new plan)."""
+        tmp = self.path / ".lr_plan.tmp.npy"
+        np.save(tmp, np.asarray(plan, np.float64))
+        os.replace(tmp, self.lr_plan)
+        h = hashlib.sha256(self.lr_plan.read_bytes()).hexdigest()[:12]
+        return self.event("schedule", hash=h, steps=len(plan), first=float(plan[0]), last=float(plan[-1]), **fields)
+
+    def read_lr_plan(self) -> np.ndarray | None:
+        return np.load(self.lr_plan) if self.lr_plan.is_file() else None
+
     # ------------------------------------------------------------------ the forecast the run is held to
 
     @property

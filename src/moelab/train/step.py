@@ -37,7 +37,8 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
     def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array, faults=None):
         """faults (fault injection): lr_scale, logit_z_scale, freeze_bias; None = none."""
         f = faults or {"lr_scale": 1.0, "logit_z_scale": 1.0, "freeze_bias": False}
-        opt_state, lr = optim.set_lr(state["opt_state"], data_step, h, f["lr_scale"])
+        opt_state, _ = optim.set_lr(state["opt_state"], data_step, h, f["lr_scale"])
+        lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (metrics, new_model_state)), grads = grad_fn(
             state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m, logit_z_scale=f["logit_z_scale"]
