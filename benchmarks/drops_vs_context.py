@@ -83,7 +83,7 @@ def main() -> None:
     from moelab.parallel import mesh as pmesh
     from moelab.parallel.ep import ep_routed_experts
     from moelab.train import checkpoint, optim
-    from moelab.train.loop import load_run_config
+    from moelab.train.record import load_run_config
     from moelab.train.step import init_train_state
 
     t0 = time.time()

@@ -1,11 +1,11 @@
 """Do the health checks catch injected faults, and stay quiet on clean runs they were not tuned on?
 
 The tiny model, 200 steps of 8 x 128 tokens, faults injected at step 100 (lr_high from the start).
-Each fault changes one thing (moelab.ladder.faults). Two sets of clean runs, apart:
+Each fault changes one thing (moelab.monitor.faults). Two sets of clean runs, apart:
 
 - `--calibrate`: clean seeds 100-104 on the standard library. Each check's statistic, relative to
   its ALERT threshold, is recorded at its highest over each run (1 = at the threshold). The
-  thresholds in moelab.ladder.health were chosen from these, before any scoring run.
+  thresholds in moelab.monitor.health were chosen from these, before any scoring run.
 - scoring (the default): clean seeds 0-9 on the standard library (the false-positive rate), clean
   seeds 0-2 on `cheaders`, a corpus no threshold was chosen on, and one run per fault (seed 0): for
   each, caught or not, steps from the injection to the first ALERT, and every check that raised
@@ -58,7 +58,7 @@ def fired(found: list[dict], after: int = 0) -> dict:
 def one(base: list[str], run: Path, extra: list[str]) -> tuple[list[dict], dict, float]:
     """Train, then the run's ALERTs and each check's highest score (the health monitor offline)."""
     from moelab.config import load_config
-    from moelab.ladder.health import check_run
+    from moelab.monitor.health import check_run
     from moelab.train.loop import train
 
     t0 = time.time()

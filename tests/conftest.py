@@ -65,3 +65,48 @@ MICRO = [
     "model.latent_dim=32", "model.shared_dim=32", "train.batch_size=4", "train.log_every=1",
     "train.eval_tokens=256", "train.checkpoint_every=10", "train.peak_flops=1e11",
 ]  # fmt: skip
+
+
+# an experiment file whose steps count their runs in COUNTS and can be made to fail or hang
+EXPERIMENT = """
+import os, time
+from pathlib import Path
+from moelab.lab import Experiment, Prediction, Step, output_of, versioned
+
+COUNTS = Path(os.environ["LAB_COUNTS"])
+
+def work(cfg, out):
+    with open(COUNTS / cfg["name"], "a") as fh:
+        fh.write("ran\\n")
+    if os.environ.get("LAB_FAIL") == cfg["name"]:
+        raise RuntimeError("boom in " + cfg["name"])
+    hang = COUNTS / ("hang-" + cfg["name"])
+    if os.environ.get("LAB_HANG") == cfg["name"] and not hang.exists():
+        hang.write_text("started")
+        time.sleep(120)
+    time.sleep(float(os.environ.get("LAB_SLEEP", "0")))
+    (out / "result.txt").write_text(cfg["name"])
+    upstream = cfg.get("input")
+    return {"value": 2.0 + (len(Path(upstream, "result.txt").read_text()) if upstream else 0)}
+
+a = Step("a", work, {"name": "a", "size": versioned(VALUE)})
+b = Step("b", work, {"name": "b", "input": output_of(a)})
+c = Step("c", work, {"name": "c", "input": output_of(b)})
+experiment = Experiment(issue=9, slug="chain", title="TITLE", goal="g", hypothesis=HYPOTHESIS,
+    prediction=Prediction(metric="c:value", value=3.0, low=2.9, high=3.1), steps=[c])
+"""
+
+
+def write_experiment(path: Path, value=1, hypothesis="h", title="a chain") -> Path:
+    text = EXPERIMENT.replace("VALUE", repr(value)).replace("HYPOTHESIS", repr(hypothesis)).replace("TITLE", title)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("LAB_COUNTS", str(counts))
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
+    return {"counts": counts, "prefix": tmp_path / "prefix", "exp": write_experiment(tmp_path / "exp9_chain.py")}

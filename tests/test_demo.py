@@ -13,15 +13,15 @@ from moelab.lab.steps import eval_step, train_step
 train = train_step("short", "tiny", OVERRIDES, progress=False)
 evaluate = eval_step("short-eval", output_of(train))
 experiment = Experiment(issue=4, slug="short", title="A short run", goal="Exercise the demo.",
-    hypothesis="Six steps take the held-out loss below a uniform guess over the 512 tokens, ln 512 = 6.238.",
-    prediction=Prediction(metric="short-eval:loss_dropless.macro", value=5.9, low=4.0, high=6.238,
+    hypothesis="Twenty-four steps at a rate of 0.01 take the held-out loss below a uniform guess over the 512 tokens, ln 512 = 6.238.",
+    prediction=Prediction(metric="short-eval:loss_dropless.macro", value=5.5, low=4.0, high=6.238,
                           falsify_low=3.0, falsify_high=6.5), steps=[evaluate])
 """
 
 
 def test_demo_prints_accounting_runs_the_experiment_and_writes_the_site(corpus, tmp_path):
     exp = tmp_path / "exp4_short.py"
-    overrides = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=6"]
+    overrides = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=24", "train.lr=1e-2"]
     exp.write_text(SHORT.replace("OVERRIDES", repr(overrides)))
     res = run_cli("demo", "--experiment", str(exp), "--prefix", str(tmp_path / "lab"), "--site", str(tmp_path / "site"))
     assert res.returncode == 0, res.stderr[-3000:]

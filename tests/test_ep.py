@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from moelab.config import config_from_dict
+from moelab.model import moe
 from moelab.model import router as rt
 from moelab.model.moe import moe_block
 from moelab.model.transformer import init_params
 from moelab.parallel import mesh as pmesh
-from moelab.parallel.ep import ep_routed_experts, pool_size, slots_per_expert
+from moelab.parallel.ep import ExpertOps, ep_routed_experts, pool_size, slots_per_expert
+from reference import moe_reference, reference_choices
 
 TRANSPORTS = ["fixed", "spill", "pooled_wave"]
 
@@ -25,6 +27,9 @@ TRANSPORTS = ["fixed", "spill", "pooled_wave"]
 def _no_mesh_left_behind():
     yield
     pmesh.set_active(None)
+
+
+OPS = ExpertOps(moe.expert_ffn, moe.place_capacity, moe.place_spill, moe._ranks)
 
 
 def mesh_of(data, expert):
@@ -89,6 +94,17 @@ def test_tight_capacity_drops_equal_the_single_device_rule(transport, single, cf
     assert float(ep["dropped_frac"]) == pytest.approx(float(ref["dropped_frac"]), abs=1e-7)
     assert float(ep["spilled_frac"]) == pytest.approx(float(ref["spilled_frac"]), abs=1e-7)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    if transport == "fixed":  # and the rule itself, by hand: in each device's 8 tokens, first come first kept
+        choices = reference_choices(p, x, bias, m)
+        cap = math.ceil(cf * 8 * m.top_k / e)
+        keep, used = {}, {}
+        for t in range(len(choices)):
+            for j, expert in enumerate(choices[t]):
+                slot = (t // 8, int(expert))
+                keep[(t, j)] = used.get(slot, 0) < cap
+                used[slot] = used.get(slot, 0) + 1
+        assert float(ep["dropped_frac"]) == pytest.approx(1 - np.mean(list(keep.values())), abs=1e-7)
+        np.testing.assert_allclose(y, moe_reference(p, x, bias, m, keep=keep), rtol=1e-4, atol=1e-5)
 
 
 def pooled_reference(idx: np.ndarray, n_dev: int, n_experts: int, cf: float, waves: int):
@@ -131,7 +147,7 @@ def test_pooled_wave_drops_equal_the_rule_by_hand(cf, waves):
     r = rt.route(xt @ p["router"], bias, m)
     w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
     mesh = mesh_of(1, 8)
-    y, stats = jax.jit(lambda h, r, w: ep_routed_experts(h, r, w, m, mesh))(xt, r, w)
+    y, stats = jax.jit(lambda h, r, w: ep_routed_experts(h, r, w, m, mesh, OPS))(xt, r, w)
     idx = np.asarray(r.idx).reshape(8, -1, m.top_k)
     sender, receiver, kept = pooled_reference(idx, 8, m.n_routed, cf, waves)
     n = idx.size
@@ -170,7 +186,7 @@ def test_pooled_wave_shares_the_cut_across_senders():
     mesh = mesh_of(1, 8)
 
     def kept_per_sender(dest):
-        y, stats = jax.jit(lambda h, r: ep_routed_experts(h, r, w, m, mesh))(h, forced_routing(m, dest))
+        y, stats = jax.jit(lambda h, r: ep_routed_experts(h, r, w, m, mesh, OPS))(h, forced_routing(m, dest))
         done = np.abs(np.asarray(y)).sum(axis=1) > 0
         return done.reshape(8, 8).sum(axis=1), stats
 

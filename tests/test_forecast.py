@@ -262,3 +262,102 @@ def test_eval_windows_spread_over_the_stream_and_disjoint_sets():
     assert not set(a[:, :-1].ravel()) & set(b[:, :-1].ravel())  # disjoint targets
     with pytest.raises(ValueError):
         eval_windows(Store(), "x", 32, 8 * 32, offset=5)
+
+
+# ------------------------------------------------------------------ Marin's per-fraction form
+
+from moelab.ladder.forecast import FRACTIONS, ends, forecast_per_fraction, rung_curve  # noqa: E402
+
+
+def law(c):
+    return 1.8 + 40.0 * c**-0.12
+
+
+def synthetic_rung(root, d, steps=100, bump=None):
+    from moelab import accounting
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"model.d_model={d}",
+            f"model.n_heads={d // 32}",
+            "model.n_kv_heads=1",
+            "model.n_kv_heads_local=1",
+            f"train.steps={steps}",
+        ],
+    )
+    run = root / f"d{d}"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"hash": "x", "config": to_dict(cfg)}))
+    total = accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops_without_lm_head"]
+    with open(run / "metrics.jsonl", "w") as fh:
+        for k in range(0, 21):
+            step = round(k * steps / 20)
+            loss = law(max(total * k / 20, 1.0))
+            if bump and k == bump[0]:
+                loss += bump[1]
+            fh.write(json.dumps({"kind": "eval", "step": step, "loss_dropless": {"macro": loss}}) + "\n")
+    return run, total
+
+
+def test_forecast_recovers_the_curve_of_a_known_law(tmp_path):
+    rungs = [rung_curve(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
+    target = 1e14
+    fc = forecast_per_fraction(rungs, target, 1000, n_boot=30)
+    assert fc["fractions"] == FRACTIONS
+    for f, pred, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"], strict=True):
+        assert pred == pytest.approx(law(target * f), rel=0.01)
+        truth = law(target * f)
+        assert lo <= truth <= hi  # the band holds the truth (a resample of two distinct rungs varies the fit)
+
+
+def test_the_forecast_at_a_fraction_uses_only_that_fractions_points(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    clean = [rung_curve(synthetic_rung(tmp_path / "a", d)[0]) for d in (64, 96, 128)]
+    bumped = [rung_curve(synthetic_rung(tmp_path / "b", d, bump=(10, 0.3))[0]) for d in (64, 96, 128)]  # at 50%
+    a, b = forecast_per_fraction(clean, 1e14, 1000, n_boot=5), forecast_per_fraction(bumped, 1e14, 1000, n_boot=5)
+    changed = [f for f, x, y in zip(a["fractions"], a["loss"], b["loss"], strict=True) if abs(x - y) > 1e-9]
+    assert changed == [0.5]
+
+
+def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
+    dirs = [synthetic_rung(tmp_path, d)[0] for d in (64, 96, 128, 160)]
+    res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    (bt,) = out["backtests"]
+    assert bt["target"] and len(bt["curve"]) == 20
+    assert max(abs(r["error"]) for r in bt["curve"]) < 0.01  # the law is exact, so is the fit
+    assert len(out["ends"]) == 4 and max(abs(r["error"]) for r in out["ends"]) < 0.01
+    assert ends([rung_curve(d) for d in dirs]) == out["ends"]
+    # the predicted rung never reaches the fit: its losses doubled, the prediction stays, the error moves
+    with open(dirs[-1] / "metrics.jsonl") as fh:
+        recs = [json.loads(x) for x in fh]
+    with open(dirs[-1] / "metrics.jsonl", "w") as fh:
+        for r in recs:
+            fh.write(json.dumps({**r, "loss_dropless": {"macro": 2 * r["loss_dropless"]["macro"]}}) + "\n")
+    res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")
+    (poisoned,) = json.loads(res.stdout)["backtests"]
+    assert [r["predicted"] for r in poisoned["curve"]] == [r["predicted"] for r in bt["curve"]]
+    assert all(r["error"] < -0.45 for r in poisoned["curve"])
+
+
+def test_forecast_and_backtest_commands(tmp_path):
+    dirs = [str(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
+    out = tmp_path / "forecast.json"
+    res = run_cli(
+        "ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=2000", "--law",
+        "per-fraction", "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    fc = json.loads(out.read_text())
+    assert (
+        len(fc["loss"]) == 20
+        and fc["steps"][-1] == 2000
+        and fc["loss"][-1] == pytest.approx(law(fc["target_flops"]), rel=0.01)
+    )
+    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--law", "per-fraction", "--json")
+    assert res.returncode == 0 and len(json.loads(res.stdout)["backtests"][0]["curve"]) == 20
+    res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "no config.json" in res.stderr

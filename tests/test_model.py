@@ -107,13 +107,20 @@ def test_loss_terms_match_their_formulas():
     assert float(loss) == pytest.approx(ce + 0.5 * np.mean(lse**2), rel=1e-5)
 
     m2 = dataclasses.replace(m, aux_loss_coef=0.1, router_z_loss_coef=0.01)
-    loss2, (met2, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m2)
-    expected = (
-        float(loss)
-        + 0.1 * float(np.mean(met2["layers"]["aux_loss"]))
-        + 0.01 * float(np.mean(met2["layers"]["router_z"]))
-    )
-    assert float(loss2) == pytest.approx(expected, rel=1e-5)
+    loss2, _ = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m2)
+    # the router terms by hand from each layer's router logits (the MoE inputs captured): the Switch
+    # loss E * sum_e f_e P_e over top-k assignments, and the mean squared log-partition
+    moe_in = np.asarray(forward(p, st, tokens[:, :-1], m, capture=True)[1]["moe_input"], np.float64)
+    aux, rz = [], []
+    for i in range(m.n_layers):
+        logits = moe_in[i].reshape(-1, m.d_model) @ np.asarray(p["layers"]["router"][i], np.float64)
+        probs = np.exp(logits - logsumexp(logits, axis=-1, keepdims=True))  # softmax router
+        top = np.argsort(-logits, axis=-1)[:, : m.top_k]
+        f = np.bincount(top.ravel(), minlength=m.n_routed) / top.size
+        aux.append(m.n_routed * np.sum(f * probs.mean(axis=0)))
+        rz.append(np.mean(logsumexp(logits, axis=-1) ** 2))
+    assert m.router == "softmax"
+    assert float(loss2) == pytest.approx(float(loss) + 0.1 * np.mean(aux) + 0.01 * np.mean(rz), rel=1e-5)
 
 
 def test_eval_dispatch_runs_dropless():

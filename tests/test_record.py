@@ -169,7 +169,8 @@ def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypat
     import signal
     import time
 
-    from test_lab import EXPERIMENT, _run_cli, runs, write_experiment
+    from conftest import EXPERIMENT, write_experiment
+    from test_executor import _run_cli, runs
 
     assert "LAB_SLEEP" in EXPERIMENT
     counts = tmp_path / "counts"

@@ -13,7 +13,7 @@ from moelab.config import ConfigError, load_config
 from moelab.ladder.replan import phase_boundaries
 from moelab.train import optim
 from moelab.train.record import read_jsonl
-from test_ladder import synthetic_rung
+from test_forecast import synthetic_rung
 from test_train import _train_cli
 
 

@@ -436,7 +436,7 @@ def test_an_injected_fault_is_caught_by_the_health_checks(corpus, tmp_path):
 
 
 def test_fault_arguments():
-    from moelab.ladder.faults import Injector, parse
+    from moelab.monitor.faults import Injector, parse
 
     assert parse("lr_spike@10").arg == 10.0 and parse("zloss_off@3").arg is None
     for bad, why in (("zloss_off@3:2", "takes no argument"), ("lr_spike@-1", ">= 0"), ("lr_high@4:0", "> 0")):

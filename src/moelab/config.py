@@ -20,20 +20,16 @@ from typing import Any
 
 import yaml
 
+from moelab.errors import ConfigError  # noqa: F401 - raised here, importable from here
+from moelab.monitor.faults import parse as parse_fault
+from moelab.train.schedule import parse_replans
+
 ROUTERS = ("softmax", "sigmoid")
 BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "layer")
-
-
-class ConfigError(ValueError):
-    """A config the user wrote that cannot run. ``errors`` holds one line per problem."""
-
-    def __init__(self, errors: Sequence[str]):
-        self.errors = list(errors)
-        super().__init__("\n".join(self.errors))
 
 
 @dataclass(frozen=True)
@@ -118,6 +114,133 @@ class ModelConfig:
         """Slots per expert per group: ceil(CF * T * k / E), and never more than the group's tokens."""
         return min(int(math.ceil(self.capacity_factor * group_tokens * self.top_k / self.n_routed)), group_tokens)
 
+    def check(self) -> list[str]:
+        """Problems with the model's own fields, each check beside what it guards: one line each."""
+        m = self
+        e: list[str] = []
+        bad: set[str] = set()  # fields already reported; checks that involve them are skipped
+
+        def fail(name: str, msg: str) -> None:
+            bad.add(name)
+            e.append(f"model.{name}: {msg}")
+
+        def need(names: tuple[str, ...], ok, msg: str) -> None:
+            """ok: a bool, or a callable evaluated only when none of the fields has already failed."""
+            if bad.intersection(names):
+                return
+            if not (ok() if callable(ok) else ok):
+                fail(names[0], msg)
+
+        for n in (
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "seq_len",
+            "n_routed",
+            "top_k",
+            "expert_dim",
+            "norm_eps",
+            "rope_theta",
+            "routed_scale",
+        ):
+            need((n,), getattr(m, n) > 0, f"must be > 0, got {getattr(m, n)}")
+        for n in (
+            "n_kv_heads_local",
+            "head_dim",
+            "sliding_window",
+            "global_every",
+            "n_shared",
+            "shared_dim",
+            "latent_dim",
+            "capacity_group",
+            "aux_loss_coef",
+            "router_z_loss_coef",
+            "logit_z_loss",
+            "bias_rate",
+            "ce_chunk",
+        ):
+            need((n,), getattr(m, n) >= 0, f"must be >= 0, got {getattr(m, n)}")
+        for n, allowed in (
+            ("router", ROUTERS),
+            ("bias_update", BIAS_UPDATES),
+            ("dispatch", DISPATCHES),
+            ("drop_order", DROP_ORDERS),
+            ("compute_dtype", DTYPES),
+            ("remat", REMATS),
+            ("eval_dispatch", ("",) + DISPATCHES),
+        ):
+            need(
+                (n,), getattr(m, n) in allowed, f"must be one of {', '.join(map(repr, allowed))}, got {getattr(m, n)!r}"
+            )
+        need(
+            ("capacity_factor",),
+            0 < m.capacity_factor < math.inf,
+            f"must be a finite number > 0, got {m.capacity_factor}",
+        )
+        need(("rope_fraction",), 0.0 < m.rope_fraction <= 1.0, f"must be in (0, 1], got {m.rope_fraction}")
+
+        if m.head_dim == 0:
+            need(
+                ("n_heads", "d_model"),
+                lambda: m.d_model % m.n_heads == 0,
+                f"{m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim",
+            )
+        need(
+            ("n_kv_heads", "n_heads"),
+            lambda: m.n_heads % m.n_kv_heads == 0,
+            f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}",
+        )
+        if m.n_kv_heads_local:
+            need(
+                ("n_kv_heads_local", "n_heads"),
+                lambda: m.n_heads % m.n_kv_heads_local == 0,
+                f"{m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}",
+            )
+        if m.sliding_window:
+            lo, hi = sorted((m.n_kv_heads, m.kv_heads_local))
+            need(
+                ("n_kv_heads_local", "n_kv_heads", "n_heads"),
+                lambda: lo > 0 and hi % lo == 0,
+                f"{m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another",
+            )
+        if not bad.intersection(("head_dim", "n_heads", "d_model")):
+            need(("head_dim",), m.head_size % 2 == 0, f"head size {m.head_size} must be even for rotary embeddings")
+            need(
+                ("rope_fraction", "head_dim"),
+                lambda: int(m.head_size * m.rope_fraction) >= 2,
+                f"{m.rope_fraction} of head size {m.head_size} rotates no dims; use 0.5 or 1.0",
+            )
+            need(
+                ("rope_fraction", "head_dim"),
+                lambda: int(m.head_size * m.rope_fraction) % 2 == 0,
+                f"{m.rope_fraction} of head size {m.head_size} is not an even number of dims",
+            )
+        need(
+            ("ep_transport",),
+            m.ep_transport in ("fixed", "spill", "pooled_wave"),
+            f"must be fixed, spill or pooled_wave, got {m.ep_transport!r}",
+        )
+        need(("ep_waves",), m.ep_waves >= 1, f"must be >= 1, got {m.ep_waves}")
+        need(("top_k", "n_routed"), m.top_k <= m.n_routed, f"{m.top_k} is larger than model.n_routed={m.n_routed}")
+        need(
+            ("latent_dim", "d_model"),
+            m.latent_dim <= m.d_model,
+            f"{m.latent_dim} is larger than model.d_model={m.d_model}",
+        )
+        need(
+            ("sliding_window", "seq_len"),
+            m.sliding_window <= m.seq_len,
+            f"{m.sliding_window} is larger than model.seq_len={m.seq_len}",
+        )
+        need(
+            ("shared_dim", "n_shared"),
+            m.n_shared == 0 or m.shared_dim > 0,
+            f"must be > 0 when model.n_shared={m.n_shared}",
+        )
+        return e
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -144,11 +267,57 @@ class TrainConfig:
     nan_patience: int = 3  # non-finite steps in a row before restoring the last checkpoint
     peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
     poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
-    inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.ladder.faults
+    inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.monitor.faults
     replans: tuple[str, ...] = ()  # horizon changes, AT:OLD->NEW steps, written by `moelab replan`
     # with a joint-law forecast.json in the run: refit it with the run's own evaluations every this
     # fraction of the run (0 = never); updates are recorded beside the registered forecast, never over it
     forecast_update_every: float = 0.1
+
+    def check(self) -> list[str]:
+        """Problems with the training fields: one line each."""
+        t = self
+        e: list[str] = []
+        for n in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last", "eval_tokens", "nan_patience"):
+            if getattr(t, n) <= 0:
+                e.append(f"train.{n}: must be > 0, got {getattr(t, n)}")
+        if isinstance(t.lr, str):
+            if t.lr != "auto":
+                e.append(f"train.lr: must be a number or 'auto', got {t.lr!r}")
+        elif t.lr <= 0:
+            e.append(f"train.lr: must be > 0, got {t.lr}")
+        if t.optimizer not in ("adamw", "muon"):
+            e.append(f"train.optimizer: must be adamw or muon, got {t.optimizer!r}")
+        if t.schedule not in ("linear", "wsd", "constant"):
+            e.append(f"train.schedule: must be linear, wsd or constant, got {t.schedule!r}")
+        if not 0.0 <= t.warmup_frac < 1.0:
+            e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+        for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
+            if getattr(t, n) < 0:
+                e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
+        for spec in t.inject:
+            try:
+                parse_fault(spec)
+            except ValueError as exc:
+                e.append(f"train.inject: {exc}")
+        if t.replans:
+            try:
+                parse_replans(t.replans, t.steps)
+            except ValueError as exc:
+                e.append(f"train.replans: {exc}")
+        if not 0.0 <= t.decay_frac <= 1.0:
+            e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
+        if not 0.0 <= t.forecast_update_every <= 1.0:
+            e.append(
+                f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
+            )
+        if t.muon_lr_ratio <= 0:
+            e.append(f"train.muon_lr_ratio: must be > 0, got {t.muon_lr_ratio}")
+        for n in ("beta1", "beta2"):
+            if not 0.0 <= getattr(t, n) < 1.0:
+                e.append(f"train.{n}: must be in [0, 1), got {getattr(t, n)}")
+        return e
 
 
 @dataclass(frozen=True)
@@ -165,6 +334,37 @@ class DataConfig:
     epoch_cap: float = 4.0  # most passes over any domain's training tokens
     epoch_cap_action: str = "refuse"  # refuse | warn
 
+    def check(self) -> list[str]:
+        """Problems with the data fields: one line each."""
+        d = self
+        e: list[str] = []
+        if not d.sources:
+            e.append("data.sources: name at least one source (a path or 'stdlib')")
+        if not 0.0 <= d.held_out_fraction < 1.0:
+            e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
+        if d.max_bytes_per_domain < 0:
+            e.append(f"data.max_bytes_per_domain: must be >= 0, got {d.max_bytes_per_domain}")
+        starts = list(d.phase_starts)
+        if (
+            not starts
+            or starts[0] != 0.0
+            or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+            or starts[-1] >= 1.0
+        ):
+            e.append(f"data.phase_starts: must start at 0.0 and rise below 1.0, got {starts}")
+        if len(d.mixture) not in (0, 1, len(starts)):
+            e.append(
+                f"data.mixture: {len(d.mixture)} phases of weights for {len(starts)} data.phase_starts; give 1 or {len(starts)}"
+            )
+        for i, weights in enumerate(d.mixture):
+            if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+                e.append(f"data.mixture[{i}]: weights must be >= 0 with a positive sum, got {weights}")
+        if d.epoch_cap <= 0:
+            e.append(f"data.epoch_cap: must be > 0, got {d.epoch_cap}")
+        if d.epoch_cap_action not in ("refuse", "warn"):
+            e.append(f"data.epoch_cap_action: must be refuse or warn, got {d.epoch_cap_action!r}")
+        return e
+
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -179,6 +379,65 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     name: str = ""
+
+    def check_mesh(self) -> list[str]:
+        """Problems with the mesh, against the model and the batch (across sections): one line each."""
+        cfg = self
+        e: list[str] = []
+        for n in ("data", "expert"):
+            if getattr(cfg.mesh, n) <= 0:
+                e.append(f"mesh.{n}: must be > 0, got {getattr(cfg.mesh, n)}")
+        group, tokens = cfg.model.capacity_group, cfg.train.batch_size * cfg.model.seq_len
+        if group > 0 and tokens > 0 and tokens % group:
+            e.append(
+                f"model.capacity_group: {group} does not divide the batch's {tokens} tokens "
+                f"(train.batch_size x model.seq_len); use a divisor such as model.seq_len"
+            )
+        shards = cfg.mesh.data * cfg.mesh.expert
+        mesh_ok = (
+            cfg.mesh.expert > 0
+            and cfg.mesh.data > 0
+            and not (cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert)
+        )
+        if mesh_ok and cfg.train.batch_size > 0 and cfg.train.batch_size % shards:
+            e.append(
+                f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
+                f"{shards} devices; use a multiple of {shards}"
+            )
+        if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
+            e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
+        if cfg.mesh.expert > 1:
+            e.extend(cfg._check_ep())
+        return e
+
+    def _check_ep(self) -> list[str]:
+        """Under expert parallelism the transport does the dispatch: a setting it would not honour is refused."""
+        cfg = self
+        m, e = cfg.model, []
+        allowed = {"dropless": ("fixed",), "capacity": ("fixed", "pooled_wave"), "spill": ("spill",)}.get(
+            m.dispatch, ()
+        )
+        if allowed and m.ep_transport not in allowed:
+            why = {
+                "dropless": "dropless exchanges every assignment; the transport matters to capacity and spill only",
+                "capacity": "the spill transport would move overflow to next-ranked experts: set model.dispatch=spill",
+                "spill": "only the spill transport spills; set model.ep_transport=spill",
+            }[m.dispatch]
+            e.append(
+                f"model.ep_transport: {m.ep_transport} with model.dispatch={m.dispatch} under expert parallelism: {why}"
+            )
+        shards = cfg.mesh.data * cfg.mesh.expert
+        per_device = cfg.train.batch_size * m.seq_len // shards if shards > 0 else 0
+        if m.capacity_group not in (0, per_device):
+            e.append(
+                f"model.capacity_group: under expert parallelism each device's {per_device} tokens are one capacity "
+                f"group; set 0 (or {per_device})"
+            )
+        if m.drop_order == "score" and m.ep_transport == "pooled_wave":
+            e.append(
+                "model.drop_order: pooled_wave fills receivers round-robin, not by score; use position, or fixed/spill"
+            )
+        return e
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
@@ -368,261 +627,8 @@ def load_config(spec: str | Path | dict | Config, overrides: Sequence[str] = ())
 # ---------------------------------------------------------------- validation
 
 
-def _check_model(m: ModelConfig) -> list[str]:
-    e: list[str] = []
-    bad: set[str] = set()  # fields already reported; checks that involve them are skipped
-
-    def fail(name: str, msg: str) -> None:
-        bad.add(name)
-        e.append(f"model.{name}: {msg}")
-
-    def check(names: tuple[str, ...], ok, msg: str) -> None:
-        """ok: a bool, or a callable evaluated only when none of the fields has already failed."""
-        if bad.intersection(names):
-            return
-        if not (ok() if callable(ok) else ok):
-            fail(names[0], msg)
-
-    for n in (
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "vocab_size",
-        "seq_len",
-        "n_routed",
-        "top_k",
-        "expert_dim",
-        "norm_eps",
-        "rope_theta",
-        "routed_scale",
-    ):
-        check((n,), getattr(m, n) > 0, f"must be > 0, got {getattr(m, n)}")
-    for n in (
-        "n_kv_heads_local",
-        "head_dim",
-        "sliding_window",
-        "global_every",
-        "n_shared",
-        "shared_dim",
-        "latent_dim",
-        "capacity_group",
-        "aux_loss_coef",
-        "router_z_loss_coef",
-        "logit_z_loss",
-        "bias_rate",
-        "ce_chunk",
-    ):
-        check((n,), getattr(m, n) >= 0, f"must be >= 0, got {getattr(m, n)}")
-    for n, allowed in (
-        ("router", ROUTERS),
-        ("bias_update", BIAS_UPDATES),
-        ("dispatch", DISPATCHES),
-        ("drop_order", DROP_ORDERS),
-        ("compute_dtype", DTYPES),
-        ("remat", REMATS),
-        ("eval_dispatch", ("",) + DISPATCHES),
-    ):
-        check((n,), getattr(m, n) in allowed, f"must be one of {', '.join(map(repr, allowed))}, got {getattr(m, n)!r}")
-    check(
-        ("capacity_factor",), 0 < m.capacity_factor < math.inf, f"must be a finite number > 0, got {m.capacity_factor}"
-    )
-    check(("rope_fraction",), 0.0 < m.rope_fraction <= 1.0, f"must be in (0, 1], got {m.rope_fraction}")
-
-    if m.head_dim == 0:
-        check(
-            ("n_heads", "d_model"),
-            lambda: m.d_model % m.n_heads == 0,
-            f"{m.n_heads} does not divide model.d_model={m.d_model}; change one or set model.head_dim",
-        )
-    check(
-        ("n_kv_heads", "n_heads"),
-        lambda: m.n_heads % m.n_kv_heads == 0,
-        f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}",
-    )
-    if m.n_kv_heads_local:
-        check(
-            ("n_kv_heads_local", "n_heads"),
-            lambda: m.n_heads % m.n_kv_heads_local == 0,
-            f"{m.n_kv_heads_local} does not divide model.n_heads={m.n_heads}",
-        )
-    if m.sliding_window:
-        lo, hi = sorted((m.n_kv_heads, m.kv_heads_local))
-        check(
-            ("n_kv_heads_local", "n_kv_heads", "n_heads"),
-            lambda: lo > 0 and hi % lo == 0,
-            f"{m.kv_heads_local} and model.n_kv_heads={m.n_kv_heads} must divide one another",
-        )
-    if not bad.intersection(("head_dim", "n_heads", "d_model")):
-        check(("head_dim",), m.head_size % 2 == 0, f"head size {m.head_size} must be even for rotary embeddings")
-        check(
-            ("rope_fraction", "head_dim"),
-            lambda: int(m.head_size * m.rope_fraction) >= 2,
-            f"{m.rope_fraction} of head size {m.head_size} rotates no dims; use 0.5 or 1.0",
-        )
-        check(
-            ("rope_fraction", "head_dim"),
-            lambda: int(m.head_size * m.rope_fraction) % 2 == 0,
-            f"{m.rope_fraction} of head size {m.head_size} is not an even number of dims",
-        )
-    check(
-        ("ep_transport",),
-        m.ep_transport in ("fixed", "spill", "pooled_wave"),
-        f"must be fixed, spill or pooled_wave, got {m.ep_transport!r}",
-    )
-    check(("ep_waves",), m.ep_waves >= 1, f"must be >= 1, got {m.ep_waves}")
-    check(("top_k", "n_routed"), m.top_k <= m.n_routed, f"{m.top_k} is larger than model.n_routed={m.n_routed}")
-    check(
-        ("latent_dim", "d_model"), m.latent_dim <= m.d_model, f"{m.latent_dim} is larger than model.d_model={m.d_model}"
-    )
-    check(
-        ("sliding_window", "seq_len"),
-        m.sliding_window <= m.seq_len,
-        f"{m.sliding_window} is larger than model.seq_len={m.seq_len}",
-    )
-    check(
-        ("shared_dim", "n_shared"), m.n_shared == 0 or m.shared_dim > 0, f"must be > 0 when model.n_shared={m.n_shared}"
-    )
-    return e
-
-
-def _check_train(t: TrainConfig) -> list[str]:
-    e: list[str] = []
-    for n in ("steps", "batch_size", "log_every", "checkpoint_every", "keep_last", "eval_tokens", "nan_patience"):
-        if getattr(t, n) <= 0:
-            e.append(f"train.{n}: must be > 0, got {getattr(t, n)}")
-    if isinstance(t.lr, str):
-        if t.lr != "auto":
-            e.append(f"train.lr: must be a number or 'auto', got {t.lr!r}")
-    elif t.lr <= 0:
-        e.append(f"train.lr: must be > 0, got {t.lr}")
-    if t.optimizer not in ("adamw", "muon"):
-        e.append(f"train.optimizer: must be adamw or muon, got {t.optimizer!r}")
-    if t.schedule not in ("linear", "wsd", "constant"):
-        e.append(f"train.schedule: must be linear, wsd or constant, got {t.schedule!r}")
-    if not 0.0 <= t.warmup_frac < 1.0:
-        e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
-        if getattr(t, n) < 0:
-            e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
-    for spec in t.inject:
-        from moelab.ladder.faults import parse
-
-        try:
-            parse(spec)
-        except ValueError as exc:
-            e.append(f"train.inject: {exc}")
-    if t.replans:
-        from moelab.ladder.replan import parse_replans
-
-        try:
-            parse_replans(t.replans, t.steps)
-        except ValueError as exc:
-            e.append(f"train.replans: {exc}")
-    if not 0.0 <= t.decay_frac <= 1.0:
-        e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
-    if not 0.0 <= t.forecast_update_every <= 1.0:
-        e.append(
-            f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
-        )
-    if t.muon_lr_ratio <= 0:
-        e.append(f"train.muon_lr_ratio: must be > 0, got {t.muon_lr_ratio}")
-    for n in ("beta1", "beta2"):
-        if not 0.0 <= getattr(t, n) < 1.0:
-            e.append(f"train.{n}: must be in [0, 1), got {getattr(t, n)}")
-    return e
-
-
-def _check_data(d: DataConfig) -> list[str]:
-    e: list[str] = []
-    if not d.sources:
-        e.append("data.sources: name at least one source (a path or 'stdlib')")
-    if not 0.0 <= d.held_out_fraction < 1.0:
-        e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
-    if d.max_bytes_per_domain < 0:
-        e.append(f"data.max_bytes_per_domain: must be >= 0, got {d.max_bytes_per_domain}")
-    starts = list(d.phase_starts)
-    if (
-        not starts
-        or starts[0] != 0.0
-        or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
-        or starts[-1] >= 1.0
-    ):
-        e.append(f"data.phase_starts: must start at 0.0 and rise below 1.0, got {starts}")
-    if len(d.mixture) not in (0, 1, len(starts)):
-        e.append(
-            f"data.mixture: {len(d.mixture)} phases of weights for {len(starts)} data.phase_starts; give 1 or {len(starts)}"
-        )
-    for i, weights in enumerate(d.mixture):
-        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-            e.append(f"data.mixture[{i}]: weights must be >= 0 with a positive sum, got {weights}")
-    if d.epoch_cap <= 0:
-        e.append(f"data.epoch_cap: must be > 0, got {d.epoch_cap}")
-    if d.epoch_cap_action not in ("refuse", "warn"):
-        e.append(f"data.epoch_cap_action: must be refuse or warn, got {d.epoch_cap_action!r}")
-    return e
-
-
-def _check_mesh(cfg: Config) -> list[str]:
-    e: list[str] = []
-    for n in ("data", "expert"):
-        if getattr(cfg.mesh, n) <= 0:
-            e.append(f"mesh.{n}: must be > 0, got {getattr(cfg.mesh, n)}")
-    group, tokens = cfg.model.capacity_group, cfg.train.batch_size * cfg.model.seq_len
-    if group > 0 and tokens > 0 and tokens % group:
-        e.append(
-            f"model.capacity_group: {group} does not divide the batch's {tokens} tokens "
-            f"(train.batch_size x model.seq_len); use a divisor such as model.seq_len"
-        )
-    shards = cfg.mesh.data * cfg.mesh.expert
-    mesh_ok = (
-        cfg.mesh.expert > 0
-        and cfg.mesh.data > 0
-        and not (cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert)
-    )
-    if mesh_ok and cfg.train.batch_size > 0 and cfg.train.batch_size % shards:
-        e.append(
-            f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
-            f"{shards} devices; use a multiple of {shards}"
-        )
-    if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
-        e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
-    if cfg.mesh.expert > 1:
-        e.extend(_check_ep(cfg))
-    return e
-
-
-def _check_ep(cfg: Config) -> list[str]:
-    """Under expert parallelism the transport does the dispatch: a setting it would not honour is refused."""
-    m, e = cfg.model, []
-    allowed = {"dropless": ("fixed",), "capacity": ("fixed", "pooled_wave"), "spill": ("spill",)}.get(m.dispatch, ())
-    if allowed and m.ep_transport not in allowed:
-        why = {
-            "dropless": "dropless exchanges every assignment; the transport matters to capacity and spill only",
-            "capacity": "the spill transport would move overflow to next-ranked experts: set model.dispatch=spill",
-            "spill": "only the spill transport spills; set model.ep_transport=spill",
-        }[m.dispatch]
-        e.append(
-            f"model.ep_transport: {m.ep_transport} with model.dispatch={m.dispatch} under expert parallelism: {why}"
-        )
-    shards = cfg.mesh.data * cfg.mesh.expert
-    per_device = cfg.train.batch_size * m.seq_len // shards if shards > 0 else 0
-    if m.capacity_group not in (0, per_device):
-        e.append(
-            f"model.capacity_group: under expert parallelism each device's {per_device} tokens are one capacity "
-            f"group; set 0 (or {per_device})"
-        )
-    if m.drop_order == "score" and m.ep_transport == "pooled_wave":
-        e.append(
-            "model.drop_order: pooled_wave fills receivers round-robin, not by score; use position, or fixed/spill"
-        )
-    return e
-
-
 def validate(cfg: Config) -> Config:
-    errors = _check_model(cfg.model) + _check_train(cfg.train) + _check_data(cfg.data) + _check_mesh(cfg)
+    errors = cfg.model.check() + cfg.train.check() + cfg.data.check() + cfg.check_mesh()
     if errors:
         raise ConfigError(errors)
     return cfg

@@ -16,6 +16,7 @@ import numpy as np
 from moelab.config import Config
 from moelab.data.sources import DataError
 from moelab.data.store import TokenStore
+from moelab.train.schedule import phase_boundaries
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,6 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> M
             table[p, domains.index(name)] = w
     table /= table.sum(axis=1, keepdims=True)
     if steps == cfg.train.steps:  # moved by any re-plan of the horizon
-        from moelab.ladder.replan import phase_boundaries
-
         phase_steps = phase_boundaries(d.phase_starts, cfg.train)
     else:
         phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)

@@ -22,15 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from moelab.errors import DataError  # noqa: F401 - raised here, importable from here
+
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".markdown", ".tex", ".html", ".c", ".h", ".js", ".toml")
 STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
 CHEADERS_DOMAINS = ("cheaders-libc", "cheaders-linux", "cheaders-cxx")
 BUILTIN = ("stdlib", "cheaders")
 TEST_DIRS = {"test", "tests", "idle_test"}
-
-
-class DataError(ValueError):
-    """Input data the user can fix; the message is one line naming the file."""
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,10 @@ import json
 import runpy
 from pathlib import Path
 
+from moelab.errors import ExperimentError
 from moelab.lab.executor import Runner, read_status
 from moelab.lab.graph import Experiment
 from moelab.lab.journal import Journal, record
-
-
-class ExperimentError(ValueError):
-    """An experiment file that cannot be used; one line naming it."""
 
 
 def load_experiment(path: str | Path) -> Experiment:

@@ -156,7 +156,7 @@ def _health(cfg: dict, out: Path) -> dict:
 
     from moelab.errors import RecordError
     from moelab.lab.journal import RUNNING
-    from moelab.ladder.health import check_run
+    from moelab.monitor.health import check_run
     from moelab.train.record import RunDir, read_jsonl
 
     run = Path(cfg["run"])

@@ -1,4 +1,4 @@
-"""The scaling ladder: rungs, fits, forecasts, health checks, fault injection and re-planning."""
+"""The scaling ladder: rungs, fits, laws, forecasts with bands, backtests and re-planning."""
 
 # the laws a forecast can be made by (moelab.ladder.law, moelab.ladder.forecast); here so that the
 # command line can name them without importing the fitting code

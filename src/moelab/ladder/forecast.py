@@ -28,18 +28,16 @@ import numpy as np
 
 from moelab import accounting
 from moelab.config import Config, config_from_dict
+from moelab.errors import ForecastError
 from moelab.ladder import law as L
 from moelab.ladder.fits import fit_power
 from moelab.train.record import read_jsonl
+from moelab.train.schedule import eval_points
 
 FRACTIONS = [k / 20 for k in range(1, 21)]
 LAW_CHOICES = L.LAW_CHOICES
 MIN_FRACTION = 0.1  # a joint law is fitted to evaluations from this fraction of each run on
 LEVEL = 0.9  # the band's nominal coverage
-
-
-class ForecastError(ValueError):
-    """Rungs that cannot be used; one line naming the directory."""
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -66,8 +64,6 @@ def _run_config(run_dir: Path) -> Config:
 
 def target_run(cfg: Config, name: str | None = None, steps=None) -> L.Run:
     """The law's view of a run not yet trained: its size, its schedule, and where it will be evaluated."""
-    from moelab.train.loop import eval_points
-
     a = accounting.count(cfg)
     lr = lr_schedule(cfg)
     at = np.array(sorted(eval_points(cfg, len(lr)) - {0}), float) if steps is None else np.asarray(steps, float)

@@ -28,14 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+from moelab.errors import LawError
 from moelab.ladder import DEFAULT_LAW, LAW_CHOICES, LAWS  # noqa: F401 - kept light for the command line
 
 BINS = 192  # the rate's decreases are summed in at most this many groups per run (eval steps are edges)
 HUBER_DELTA = 2e-3  # on log-loss: residuals past 0.2% count linearly
-
-
-class LawError(ValueError):
-    """A fit that cannot be made from what was given; one line saying what is missing."""
 
 
 @dataclass

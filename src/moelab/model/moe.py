@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model import router as rt
 from moelab.model.layers import rms_norm, swiglu
+from moelab.parallel import ep
+from moelab.parallel import mesh as pmesh
 
 
 def expert_ffn(w: dict, buf: jax.Array) -> jax.Array:
@@ -297,13 +299,10 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
     """Routed experts' output [t, din] and what the dispatch did (drops, spills, tokens per expert)."""
     t, k = r.idx.shape
     n_experts = m.n_routed
-    from moelab.parallel import mesh as pmesh
-
     mesh = pmesh.active()
     if mesh is not None:  # expert parallel: the transport decides; dropless = a slot for every assignment
-        from moelab.parallel.ep import ep_routed_experts
-
-        return ep_routed_experts(h, r, w, m, mesh, dropless=dispatch == "dropless")
+        ops = ep.ExpertOps(expert_ffn, place_capacity, place_spill, _ranks)
+        return ep.ep_routed_experts(h, r, w, m, mesh, ops, dropless=dispatch == "dropless")
     if dispatch == "dropless":
         y = dropless(h, r.idx, r.gates, w)
         done = rt.expert_load(r.idx, n_experts)

@@ -15,19 +15,31 @@ the batch's tokens, already routed. ``model.ep_transport`` chooses how they trav
   sender before slot j + 1 of any), so that no sender is always the one cut. Sender drops (pool
   full) and receiver drops (expert full) are counted apart.
 
-The experts' computation is ``moelab.model.moe.expert_ffn``, the single-device function.
+The experts' computation and the placement rules come in ``ops`` (an ``ExpertOps``: the model's
+single-device ``expert_ffn``, ``place_capacity``, ``place_spill`` and ranking), so this module knows
+nothing of the model.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moelab.model import moe
 from moelab.parallel.mesh import BATCH
+
+
+class ExpertOps(NamedTuple):
+    """What the transports need of the model: its expert computation and placement rules."""
+
+    ffn: Any  # (w, rows [e, c, din]) -> [e, c, din]
+    place_capacity: Any  # (routing, capacity, drop_order) -> placement
+    place_spill: Any
+    ranks: Any  # (keys, priority, valid, n) -> each item's rank among those with its key
+
 
 AXIS = "expert"
 
@@ -51,12 +63,12 @@ def _send_back(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, AXIS, 0, 0)
 
 
-def _per_expert(h, r, w, capacity: int, n_dev: int, spill: bool, drop_order: str):
+def _per_expert(h, r, w, capacity: int, n_dev: int, spill: bool, drop_order: str, ops: ExpertOps):
     """fixed and spill, on one device: place locally, exchange [D, E/D, C] buffers, compute, return."""
     t, k = r.idx.shape
     n_experts = r.scores.shape[-1]
     local = n_experts // n_dev
-    place = moe.place_spill if spill else moe.place_capacity
+    place = ops.place_spill if spill else ops.place_capacity
     p = place(r, capacity, drop_order)
     n_slots = n_experts * capacity
     slot = jnp.where(p.kept, p.expert * capacity + p.pos, n_slots).reshape(-1)
@@ -65,7 +77,7 @@ def _per_expert(h, r, w, capacity: int, n_dev: int, spill: bool, drop_order: str
     send = _gather_rows(h, src).reshape(n_dev, local, capacity, -1)
     recv = jax.lax.all_to_all(send, AXIS, 0, 0)  # [senders, local experts, C, din]
     x = recv.transpose(1, 0, 2, 3).reshape(local, n_dev * capacity, -1)
-    out = moe.expert_ffn(w, x).reshape(local, n_dev, capacity, -1).transpose(1, 0, 2, 3)
+    out = ops.ffn(w, x).reshape(local, n_dev, capacity, -1).transpose(1, 0, 2, 3)
     back = _send_back(out).reshape(n_slots, -1)
     per = _gather_rows(back, slot).reshape(t, k, -1)
     y = jnp.einsum("tkd,tk->td", per, jnp.where(p.kept, p.gates, 0.0).astype(per.dtype))
@@ -81,7 +93,7 @@ def _per_expert(h, r, w, capacity: int, n_dev: int, spill: bool, drop_order: str
     return y, stats
 
 
-def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int):
+def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int, ops: ExpertOps):
     """pooled_wave on one device: one pool per destination, W waves, round-robin receiver fill."""
     t, k = r.idx.shape
     n_experts = r.scores.shape[-1]
@@ -91,7 +103,7 @@ def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int):
     padded = per_wave * waves
     flat = r.idx.reshape(-1)
     dest = flat // local
-    pos = moe._ranks(dest, jnp.arange(t * k, dtype=jnp.int32), jnp.ones_like(flat, bool), n_dev)
+    pos = ops.ranks(dest, jnp.arange(t * k, dtype=jnp.int32), jnp.ones_like(flat, bool), n_dev)
     sent = pos < pool
     slot = jnp.where(sent, dest * padded + pos, n_dev * padded)
     token = jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)
@@ -109,12 +121,12 @@ def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int):
     n_items = item_ids.shape[0]
     valid = item_ids >= 0
     capacity = n_dev * slots_per_expert(cf, t, k, n_experts)  # each local expert's slots, all senders
-    rank = moe._ranks(jnp.where(valid, item_ids, 0), jnp.arange(n_items, dtype=jnp.int32), valid, local)
+    rank = ops.ranks(jnp.where(valid, item_ids, 0), jnp.arange(n_items, dtype=jnp.int32), valid, local)
     kept = valid & (rank < capacity)
     rslot = jnp.where(kept, item_ids * capacity + rank, local * capacity)
     fill = jnp.full((local * capacity + 1,), n_items, jnp.int32).at[rslot].set(jnp.arange(n_items, dtype=jnp.int32))
     x = _gather_rows(items, fill[: local * capacity]).reshape(local, capacity, -1)
-    out = moe.expert_ffn(w, x).reshape(local * capacity, -1)
+    out = ops.ffn(w, x).reshape(local * capacity, -1)
     per_item = _gather_rows(out, rslot).reshape(waves, per_wave, n_dev, -1).transpose(0, 2, 1, 3)
     kept_item = kept.reshape(waves, per_wave, n_dev).transpose(0, 2, 1)
     back = jnp.stack([_send_back(per_item[j]) for j in range(waves)], axis=1)  # [dest, waves, rows, din]
@@ -135,7 +147,9 @@ def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int):
     return y, stats
 
 
-def ep_routed_experts(h: jax.Array, r, w: dict, m, mesh, dropless: bool = False) -> tuple[jax.Array, dict]:
+def ep_routed_experts(
+    h: jax.Array, r, w: dict, m, mesh, ops: ExpertOps, dropless: bool = False
+) -> tuple[jax.Array, dict]:
     """The routed experts' output [t, din] with tokens exchanged over the mesh's expert axis.
 
     ``dropless``: slots for every assignment (C = the sender's tokens), whatever the transport.
@@ -151,10 +165,10 @@ def ep_routed_experts(h: jax.Array, r, w: dict, m, mesh, dropless: bool = False)
 
     def body(h, r, w):
         if transport == "pooled_wave":
-            y, s = _pooled_wave(h, r, w, cf, n_dev, m.ep_waves)
+            y, s = _pooled_wave(h, r, w, cf, n_dev, m.ep_waves, ops)
         else:
             cap = slots_per_expert(cf, t_local, k, m.n_routed)
-            y, s = _per_expert(h, r, w, cap, n_dev, transport == "spill", m.drop_order)
+            y, s = _per_expert(h, r, w, cap, n_dev, transport == "spill", m.drop_order, ops)
         s = jax.tree.map(lambda v: jax.lax.psum(v, BATCH), s)
         return y, s
 

@@ -11,14 +11,12 @@ import os
 import re
 import sys
 
+from moelab.errors import MeshError  # noqa: F401 - raised here, importable from here
+
 BATCH = ("data", "expert")  # the mesh axes the batch (and every token-major array) is split over
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # stacked [layers, experts, ...]: split over ``expert``
 
 _ACTIVE = None  # the mesh the model's MoE blocks run their transports on (None: one device)
-
-
-class MeshError(ValueError):
-    """A mesh that does not fit the devices or the model; one line naming the field."""
 
 
 def request_devices(n: int) -> None:

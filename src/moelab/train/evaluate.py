@@ -100,9 +100,9 @@ class Evaluator:
 def restored(run_dir, step: int | None = None, progress: bool = True):
     """(run, config, token store, state, step) of a run's newest (or a given) checkpoint."""
     from moelab.data.store import build_store
+    from moelab.errors import RunRefused
     from moelab.train import checkpoint, optim
-    from moelab.train.loop import RunRefused, load_run_config
-    from moelab.train.record import RunDir
+    from moelab.train.record import RunDir, load_run_config
     from moelab.train.step import init_train_state
 
     run = RunDir(run_dir)
@@ -140,7 +140,7 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
     Every run is evaluated on the same windows, so much of that is shared: with ``against`` (another
     run on the same data, its newest checkpoint) the spread of the ratio of the two losses across the
     sets is the part that does not cancel between runs (``paired_relative_sd``)."""
-    from moelab.train.loop import RunRefused
+    from moelab.errors import RunRefused
 
     run, cfg, store, state, step = restored(run_dir, step, progress)
     per = disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens)

@@ -21,8 +21,9 @@ from moelab import accounting
 from moelab.config import Config, config_from_dict, config_hash, to_dict
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
-from moelab.ladder.faults import Injector
-from moelab.ladder.health import HealthMonitor, ladder_from_forecast
+from moelab.errors import RunError, RunRefused  # noqa: F401 - raised here, importable from here
+from moelab.monitor.faults import Injector
+from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.parallel import mesh as pmesh
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
@@ -36,26 +37,10 @@ from moelab.train.record import (
     read_jsonl,
     versions,
 )
+from moelab.train.schedule import eval_points  # noqa: F401 - importable from here
 from moelab.train.step import init_train_state, make_train_step
 
 FAULT_ENV = "MOELAB_TEST_FAULTS"  # testing aid: "kill@STEP,kill_in_save@STEP", each fires once per run
-
-
-class RunError(Exception):
-    """A run that cannot go on (exit code 3); the message says why and what was kept."""
-
-
-class RunRefused(ValueError):
-    """A run the user asked for that cannot start as asked (exit code 2)."""
-
-
-def eval_points(cfg: Config, steps: int) -> set[int]:
-    every = cfg.train.eval_every
-    if every:
-        points = set(range(0, steps + 1, every))
-    else:
-        points = {int(round(k * steps / 20)) for k in range(21)}
-    return points | {0, steps}
 
 
 def _fault_hook(run: RunDir):
@@ -77,13 +62,6 @@ def _fault_hook(run: RunDir):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
-
-
-def load_run_config(run_dir: str | Path) -> Config:
-    run = RunDir(run_dir)
-    if not run.config.exists():
-        raise RunRefused(f"{run_dir}: no config.json; is this a run directory?")
-    return config_from_dict(json.loads(run.config.read_text())["config"], source=str(run.config))
 
 
 def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
@@ -195,214 +173,22 @@ def train(
     ``on_forecast_update(update)`` is called with each refit of the run's forecast (see
     ``train.forecast_update_every``), after it is written to forecast_updates.jsonl. ``stop()``,
     asked before every step, ends the run (RunError) without writing more when it says so: the lab
-    asks whether this runner still holds the step's lease."""
-    from tqdm import tqdm
+    asks whether this runner still holds the step's lease.
 
+    The phases, in order: check what was asked, prepare the data, build or restore the state,
+    launch (the record of what runs, the forecast and learning-rate plan it is held to, the health
+    monitor), the step loop, the summary."""
     run = RunDir(out)
     if jax.process_index() > 0:  # one writer: the others keep their records apart and share ckpt/
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
     cfg = _check_resume(run, cfg, resume)
-    mesh = _mesh(cfg)  # refused before anything is written
-    enable_compile_cache()
-    store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
-    mixture = build_mixture(cfg, store)
-    steps, b, s_len = cfg.train.steps, cfg.train.batch_size, cfg.model.seq_len
-    run.path.mkdir(parents=True, exist_ok=True)
-    if not run.config.exists():
-        run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
-
-    h = optim.hyper(cfg)
-    opt = optim.make_optimizer(cfg, h)
-    state = init_train_state(cfg, opt)
-    if mesh is not None:  # routed experts split over `expert`, the rest replicated, batches over both
-        state = pmesh.shard_tree(state, mesh)
-    start, skip, cursor_ok = 0, set(), False
-    # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
-    guard = {"consecutive": 0, "restored": False}
-    saved = checkpoint.steps(run.ckpt)
-    if resume and saved:
-        state, meta = checkpoint.restore(run.ckpt, saved[-1], state)
-        start, skip = meta["step"], set(meta["skip_steps"])
-        guard.update(meta.get("nan_guard", {}))
-        run.truncate_metrics(meta["metrics_cursor"])
-        cursor_ok = True
-        run.event("resume", step=start, checkpoint=saved[-1])
-    elif resume and run.metrics.exists():
-        run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
-        run.event("resume", step=0, checkpoint=None)
-    run.event(
-        "launch",
-        config_hash=config_hash(cfg),
-        git=git_state(),
-        versions=versions(),
-        host=host(),
-        devices=[str(d) for d in jax.devices()],
-        start_step=start,
-        store=store.manifest["key"],
-        domains=store.domains,
-        epochs=mixture.epochs,
-    )
-    fault = _fault_hook(run)
-    pmesh.set_active(mesh)  # the train step's MoE blocks trace their transports on this mesh
-    step_fn = make_train_step(cfg, opt, h)
-    evaluator = Evaluator(cfg, store)
-    # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
-    peak = cfg.train.peak_flops or matmul_peak(dtype=cfg.model.compute_dtype)
-    n_devices = cfg.mesh.data * cfg.mesh.expert
-    flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
-    evals = eval_points(cfg, steps)
-    poison = set(cfg.train.poison_steps)
+    job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
+    job.prepare_data()
+    job.build_or_restore(resume)
+    job.launch(on_forecast_update)
     try:
-        injector = Injector(cfg.train.inject, store.domains)
-    except ValueError as exc:
-        raise RunRefused(str(exc)) from None
-    # health checks see every record; a resumed run's monitor first re-reads what survived
-    # the forecast the run is held to (`moelab ladder forecast --out RUN_DIR/forecast.json`, or the lab's
-    # registered one): recorded by its hash at the first launch; a later launch refuses a changed one
-    if jax.process_index() == 0 and run.forecast.is_file() and not run.forecast_versions():
-        run.register_forecast("launch", step=start)
-    forecast = run.verified_forecast()
-    # the learning-rate plan, registered at launch: the rate each step should apply (a wrong config,
-    # lr_high, is in it); the health check holds the rate the optimiser applied against it
-    plan = h.peak_lr * np.asarray(optim.lr_factor(np.arange(steps), h), np.float64)
-    plan *= np.array([injector.plan_scale(x) for x in range(steps)])
-    if jax.process_index() == 0:
-        run.register_lr_plan(plan, start_step=start)
-    monitor = HealthMonitor(
-        lr_at=lambda step: plan[min(step, steps - 1)],
-        forecast=forecast,
-        ladder=ladder_from_forecast(forecast),  # the rungs the forecast came from, when at hand
-        steps=steps,
-    )
-    monitor.reset(read_jsonl(run.metrics))
-    updates = ForecastUpdates(run, forecast, cfg, on_forecast_update, progress)
-
-    def record(rec: dict) -> None:
-        append_jsonl(run.metrics, rec)
-        for t in trackers:
-            t.log(rec)
-        for f in monitor.update(rec):
-            if f.first and f.level == "OK":
-                continue  # only changes of level are events
-            run.event("health", check=f.check, level=f.level, step=f.step, evidence=f.evidence)
-            if f.level == "ALERT":
-                tqdm.write(f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}", file=sys.stderr)
-
-    def do_eval(done: int) -> dict:
-        t0 = time.perf_counter()
-        pmesh.set_active(None)  # evaluation runs the single-device dispatch on the (sharded) weights
-        try:
-            res = evaluator(state["params"], state["model_state"])
-        finally:
-            pmesh.set_active(mesh)
-        rec = {
-            "kind": "eval",
-            "step": done,
-            "tokens": done * b * s_len,
-            **res,
-            "eval_seconds": time.perf_counter() - t0,
-        }
-        record(rec)
-        run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
-        updates.after_eval(done)
-        return rec
-
-    def do_checkpoint(done: int) -> None:
-        meta = {
-            "step": done,
-            "metrics_cursor": run.metrics_cursor(),
-            "skip_steps": sorted(skip),
-            "nan_guard": dict(guard),
-            "config_hash": config_hash(cfg),
-            "seed": cfg.train.seed,
-            "time": time.time(),
-        }
-        path = checkpoint.save(run.ckpt, done, state, meta, cfg.train.keep_last, cfg.train.keep_every, fault)
-        run.event("checkpoint", step=done, path=f"ckpt/{path.name}")
-
-    def after_step(done: int, metrics, timing: list) -> None:
-        """Log (when the step ran), evaluate and checkpoint after step ``done``."""
-        if metrics is not None and (done % cfg.train.log_every == 0 or done == steps):
-            m = jax.device_get(metrics)
-            t_sum, n = timing
-            tps = n * b * s_len / t_sum if n else float("nan")
-            extra = {
-                "tokens_per_s": tps,
-                "step_time": t_sum / n if n else float("nan"),
-                "mfu": tps * flops_per_token / (peak * n_devices),
-                "phase": mixture.phase_at(done - 1),
-            }
-            record(_train_record(done, cfg, m, extra))
-            bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
-            timing[:] = [0.0, 0]
-        if done in evals:
-            do_eval(done)
-        if done % cfg.train.checkpoint_every == 0 or done == steps:
-            # a new checkpoint is a new place to restore to: the guard may restore again, and the
-            # checkpoint says so, or a run resumed from it would stop where this one restores
-            guard["restored"] = False
-            do_checkpoint(done)
-
-    try:
-        if start == 0 and not cursor_ok:
-            do_eval(0)
-        bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=None if progress else True)
-        timing, warm = [0.0, 0], False  # seconds and steps since the last log line
-        s = start
-        while s < steps:
-            if stop is not None and stop():
-                raise RunError(f"stopped at step {s}: another runner holds this run now; nothing more is written")
-            if fault:
-                fault("step", s)
-            if s in skip:  # a batch the NaN guard ruled out: no update, evals and checkpoints as usual
-                s += 1
-                bar.update(1)
-                after_step(s, None, timing)
-                continue
-            batch, rows_domain = batch_at(store, mixture, cfg.train.seed, injector.data_step(s), b, s_len)
-            if mesh is not None:
-                batch = pmesh.put_batch(batch, mesh)
-            for f in injector.starting(s):
-                run.event("inject", step=s, fault=f.kind, arg=f.arg)
-            batch = injector.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
-            state = injector.edit_state(s, state)
-            t0 = time.perf_counter()
-            state, metrics = step_fn(state, batch, np.int32(s), np.bool_(s in poison), injector.step_args(s))
-            finite = bool(metrics["finite"])
-            if warm:  # the first step in a process compiles; it is not timed
-                timing[0] += time.perf_counter() - t0
-                timing[1] += 1
-            warm = True
-            if not finite:
-                guard["consecutive"] += 1
-                run.event("nan_skip", step=s, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]))
-                if guard["consecutive"] >= cfg.train.nan_patience:
-                    n_bad = guard["consecutive"]
-                    bad = [x for x in range(s, -1, -1) if x not in skip][:n_bad][::-1]
-                    ckpts = checkpoint.steps(run.ckpt)
-                    if guard["restored"] or not ckpts:
-                        why = "again after a restore" if guard["restored"] else "and there is no checkpoint to restore"
-                        raise RunError(
-                            f"NaN guard: {n_bad} non-finite steps in a row (steps {bad[0]}-{bad[-1]}) {why}; "
-                            f"stopping. Checkpoints and metrics are kept in {run.path}"
-                        )
-                    state, meta = checkpoint.restore(run.ckpt, ckpts[-1], state)
-                    skip.update(bad)
-                    skip.update(meta["skip_steps"])
-                    run.truncate_metrics(meta["metrics_cursor"])
-                    monitor.reset(read_jsonl(run.metrics))
-                    run.event("nan_restore", at_step=s, restored_step=ckpts[-1], skipping=bad)
-                    bar.update(ckpts[-1] - (s + 1))
-                    s = ckpts[-1]
-                    guard.update(consecutive=0, restored=True)
-                    continue
-            else:
-                guard["consecutive"] = 0
-            s += 1
-            bar.update(1)
-            after_step(s, metrics, timing)
-        bar.close()
+        job.step_loop(stop)
     except RunError as exc:
         run.event("failure", error=str(exc))
         raise
@@ -413,11 +199,255 @@ def train(
         pmesh.set_active(None)
         for t in trackers:
             t.close()
+    return job.finish()
 
-    summary = summarize(run, cfg, peak)
-    run.summary.write_text(json.dumps(summary, indent=1))
-    run.event("end", step=steps, summary=summary)
-    return summary
+
+class _Job:
+    """One training process's run, phase by phase (see ``train``)."""
+
+    def __init__(self, cfg: Config, run: RunDir, mesh, progress: bool, trackers):
+        self.cfg, self.run, self.mesh, self.progress, self.trackers = cfg, run, mesh, progress, trackers
+        self.steps, self.b, self.s_len = cfg.train.steps, cfg.train.batch_size, cfg.model.seq_len
+
+    # ------------------------------------------------------------------ phases
+
+    def prepare_data(self) -> None:
+        """The token store (built once, cached) and the mixture; the run's config.json."""
+        cfg = self.cfg
+        enable_compile_cache()
+        self.store = build_store(cfg.data, cfg.model.vocab_size, progress=self.progress)
+        self.mixture = build_mixture(cfg, self.store)
+        self.run.path.mkdir(parents=True, exist_ok=True)
+        if not self.run.config.exists():
+            self.run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
+
+    def build_or_restore(self, resume: bool) -> None:
+        """A fresh state, or the newest complete checkpoint's (with the data position, the NaN guard's
+        memory and the metrics cut back to its cursor)."""
+        cfg, run = self.cfg, self.run
+        self.h = optim.hyper(cfg)
+        self.opt = optim.make_optimizer(cfg, self.h)
+        self.state = init_train_state(cfg, self.opt)
+        if self.mesh is not None:  # routed experts split over `expert`, the rest replicated, batches over both
+            self.state = pmesh.shard_tree(self.state, self.mesh)
+        self.start, self.skip, self.cursor_ok = 0, set(), False
+        # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
+        self.guard = {"consecutive": 0, "restored": False}
+        saved = checkpoint.steps(run.ckpt)
+        if resume and saved:
+            self.state, meta = checkpoint.restore(run.ckpt, saved[-1], self.state)
+            self.start, self.skip = meta["step"], set(meta["skip_steps"])
+            self.guard.update(meta.get("nan_guard", {}))
+            run.truncate_metrics(meta["metrics_cursor"])
+            self.cursor_ok = True
+            run.event("resume", step=self.start, checkpoint=saved[-1])
+        elif resume and run.metrics.exists():
+            run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
+            run.event("resume", step=0, checkpoint=None)
+
+    def launch(self, on_forecast_update) -> None:
+        """The launch event, the step and the evaluator, the forecast and learning-rate plan the run
+        is held to, and the health monitor (which first re-reads what survived of the metrics)."""
+        cfg, run, store, steps = self.cfg, self.run, self.store, self.steps
+        run.event(
+            "launch",
+            config_hash=config_hash(cfg),
+            git=git_state(),
+            versions=versions(),
+            host=host(),
+            devices=[str(d) for d in jax.devices()],
+            start_step=self.start,
+            store=store.manifest["key"],
+            domains=store.domains,
+            epochs=self.mixture.epochs,
+        )
+        self.fault = _fault_hook(run)
+        pmesh.set_active(self.mesh)  # the train step's MoE blocks trace their transports on this mesh
+        self.step_fn = make_train_step(cfg, self.opt, self.h)
+        self.evaluator = Evaluator(cfg, store)
+        # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
+        self.peak = cfg.train.peak_flops or matmul_peak(dtype=cfg.model.compute_dtype)
+        self.n_devices = cfg.mesh.data * cfg.mesh.expert
+        self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
+        self.evals = eval_points(cfg, steps)
+        self.poison = set(cfg.train.poison_steps)
+        try:
+            self.injector = Injector(cfg.train.inject, store.domains)
+        except ValueError as exc:
+            raise RunRefused(str(exc)) from None
+        # the forecast the run is held to (`moelab ladder forecast --out RUN_DIR/forecast.json`, or the lab's
+        # registered one): recorded by its hash at the first launch; a later launch refuses a changed one
+        if jax.process_index() == 0 and run.forecast.is_file() and not run.forecast_versions():
+            run.register_forecast("launch", step=self.start)
+        forecast = run.verified_forecast()
+        # the learning-rate plan, registered at launch: the rate each step should apply (a wrong config,
+        # lr_high, is in it); the health check holds the rate the optimiser applied against it
+        plan = self.h.peak_lr * np.asarray(optim.lr_factor(np.arange(steps), self.h), np.float64)
+        plan *= np.array([self.injector.plan_scale(x) for x in range(steps)])
+        if jax.process_index() == 0:
+            run.register_lr_plan(plan, start_step=self.start)
+        self.monitor = HealthMonitor(
+            lr_at=lambda step: plan[min(step, steps - 1)],
+            forecast=forecast,
+            ladder=ladder_from_forecast(forecast),  # the rungs the forecast came from, when at hand
+            steps=steps,
+        )
+        self.monitor.reset(read_jsonl(run.metrics))
+        self.updates = ForecastUpdates(run, forecast, cfg, on_forecast_update, self.progress)
+
+    def step_loop(self, stop) -> None:
+        """Every step from the start: a batch, the update, the NaN guard, then logs, evals and checkpoints."""
+        from tqdm import tqdm
+
+        cfg, run, store, inj = self.cfg, self.run, self.store, self.injector
+        if self.start == 0 and not self.cursor_ok:
+            self.evaluate(0)
+        self.bar = tqdm(total=self.steps, initial=self.start, desc="train", unit="step", disable=None if self.progress else True)  # fmt: skip
+        timing, warm = [0.0, 0], False  # seconds and steps since the last log line
+        s = self.start
+        while s < self.steps:
+            if stop is not None and stop():
+                raise RunError(f"stopped at step {s}: another runner holds this run now; nothing more is written")
+            if self.fault:
+                self.fault("step", s)
+            if s in self.skip:  # a batch the NaN guard ruled out: no update, evals and checkpoints as usual
+                s += 1
+                self.bar.update(1)
+                self.after_step(s, None, timing)
+                continue
+            batch, rows_domain = batch_at(store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
+            if self.mesh is not None:
+                batch = pmesh.put_batch(batch, self.mesh)
+            for f in inj.starting(s):
+                run.event("inject", step=s, fault=f.kind, arg=f.arg)
+            batch = inj.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
+            self.state = inj.edit_state(s, self.state)
+            t0 = time.perf_counter()
+            self.state, metrics = self.step_fn(
+                self.state, batch, np.int32(s), np.bool_(s in self.poison), inj.step_args(s)
+            )
+            finite = bool(metrics["finite"])
+            if warm:  # the first step in a process compiles; it is not timed
+                timing[0] += time.perf_counter() - t0
+                timing[1] += 1
+            warm = True
+            if not finite:
+                back = self.nan_guard(s, metrics)
+                if back is not None:  # restored: on from the checkpoint's step
+                    s = back
+                    continue
+            else:
+                self.guard["consecutive"] = 0
+            s += 1
+            self.bar.update(1)
+            self.after_step(s, metrics, timing)
+        self.bar.close()
+
+    def finish(self) -> dict:
+        summary = summarize(self.run, self.cfg, self.peak)
+        self.run.summary.write_text(json.dumps(summary, indent=1))
+        self.run.event("end", step=self.steps, summary=summary)
+        return summary
+
+    # ------------------------------------------------------------------ what the loop does
+
+    def nan_guard(self, s: int, metrics) -> int | None:
+        """A non-finite step: skipped; ``nan_patience`` in a row restore the newest checkpoint (the
+        step to go on from is returned) and skip those batches; again before a new checkpoint stops."""
+        cfg, run, guard = self.cfg, self.run, self.guard
+        guard["consecutive"] += 1
+        run.event("nan_skip", step=s, loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]))
+        if guard["consecutive"] < cfg.train.nan_patience:
+            return None
+        n_bad = guard["consecutive"]
+        bad = [x for x in range(s, -1, -1) if x not in self.skip][:n_bad][::-1]
+        ckpts = checkpoint.steps(run.ckpt)
+        if guard["restored"] or not ckpts:
+            why = "again after a restore" if guard["restored"] else "and there is no checkpoint to restore"
+            raise RunError(
+                f"NaN guard: {n_bad} non-finite steps in a row (steps {bad[0]}-{bad[-1]}) {why}; "
+                f"stopping. Checkpoints and metrics are kept in {run.path}"
+            )
+        self.state, meta = checkpoint.restore(run.ckpt, ckpts[-1], self.state)
+        self.skip.update(bad)
+        self.skip.update(meta["skip_steps"])
+        run.truncate_metrics(meta["metrics_cursor"])
+        self.monitor.reset(read_jsonl(run.metrics))
+        run.event("nan_restore", at_step=s, restored_step=ckpts[-1], skipping=bad)
+        self.bar.update(ckpts[-1] - (s + 1))
+        guard.update(consecutive=0, restored=True)
+        return ckpts[-1]
+
+    def record(self, rec: dict) -> None:
+        """A metrics line: to the file, the trackers and the health monitor (a changed level is an event)."""
+        from tqdm import tqdm
+
+        append_jsonl(self.run.metrics, rec)
+        for t in self.trackers:
+            t.log(rec)
+        for f in self.monitor.update(rec):
+            if f.first and f.level == "OK":
+                continue  # only changes of level are events
+            self.run.event("health", check=f.check, level=f.level, step=f.step, evidence=f.evidence)
+            if f.level == "ALERT":
+                tqdm.write(f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}", file=sys.stderr)
+
+    def evaluate(self, done: int) -> dict:
+        t0 = time.perf_counter()
+        pmesh.set_active(None)  # evaluation runs the single-device dispatch on the (sharded) weights
+        try:
+            res = self.evaluator(self.state["params"], self.state["model_state"])
+        finally:
+            pmesh.set_active(self.mesh)
+        rec = {
+            "kind": "eval",
+            "step": done,
+            "tokens": done * self.b * self.s_len,
+            **res,
+            "eval_seconds": time.perf_counter() - t0,
+        }
+        self.record(rec)
+        self.run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
+        self.updates.after_eval(done)
+        return rec
+
+    def save(self, done: int) -> None:
+        cfg, run = self.cfg, self.run
+        meta = {
+            "step": done,
+            "metrics_cursor": run.metrics_cursor(),
+            "skip_steps": sorted(self.skip),
+            "nan_guard": dict(self.guard),
+            "config_hash": config_hash(cfg),
+            "seed": cfg.train.seed,
+            "time": time.time(),
+        }
+        path = checkpoint.save(run.ckpt, done, self.state, meta, cfg.train.keep_last, cfg.train.keep_every, self.fault)
+        run.event("checkpoint", step=done, path=f"ckpt/{path.name}")
+
+    def after_step(self, done: int, metrics, timing: list) -> None:
+        """Log (when the step ran), evaluate and checkpoint after step ``done``."""
+        cfg, steps = self.cfg, self.steps
+        if metrics is not None and (done % cfg.train.log_every == 0 or done == steps):
+            m = jax.device_get(metrics)
+            t_sum, n = timing
+            tps = n * self.b * self.s_len / t_sum if n else float("nan")
+            extra = {
+                "tokens_per_s": tps,
+                "step_time": t_sum / n if n else float("nan"),
+                "mfu": tps * self.flops_per_token / (self.peak * self.n_devices),
+                "phase": self.mixture.phase_at(done - 1),
+            }
+            self.record(_train_record(done, cfg, m, extra))
+            self.bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
+            timing[:] = [0.0, 0]
+        if done in self.evals:
+            self.evaluate(done)
+        if done % cfg.train.checkpoint_every == 0 or done == steps:
+            # a new checkpoint is a new place to restore to: the guard may restore again, and the
+            # checkpoint says so, or a run resumed from it would stop where this one restores
+            self.guard["restored"] = False
+            self.save(done)
 
 
 def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from moelab.config import Config
+from moelab.train.schedule import parse_replans
 
 # no weight decay on these by default (norms have no bias terms to add)
 NO_DECAY = ("embed", "attn_norm", "mlp_norm", "latent_norm", "final_norm")
@@ -60,8 +61,6 @@ def marin_lr(total_tokens: float, d_model: int, tokens_per_batch: float) -> dict
 def hyper(cfg: Config) -> Hyper:
     """The optimiser's numbers. ``lr: auto`` and the schedule's shape come from the run's first
     plan (before any re-plan): a re-planned run keeps its peak rate and changes only its decay."""
-    from moelab.ladder.replan import parse_replans
-
     t = cfg.train
     changes = parse_replans(t.replans, t.steps)
     steps = changes[0][1] if changes else t.steps

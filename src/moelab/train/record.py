@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.errors import RecordError
+from moelab.config import Config, config_from_dict
+from moelab.errors import RecordError, RunRefused
 
 
 def digest(text: str) -> str:
@@ -203,3 +204,11 @@ def enable_compile_cache() -> None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path.absolute()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def load_run_config(run_dir: str | Path) -> Config:
+    """A run directory's config.json, or RunRefused naming the directory."""
+    run = RunDir(run_dir)
+    if not run.config.exists():
+        raise RunRefused(f"{run_dir}: no config.json; is this a run directory?")
+    return config_from_dict(json.loads(run.config.read_text())["config"], source=str(run.config))

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from moelab import accounting
+from moelab.cli.common import print_plan, print_summary
 from moelab.config import load_config
 from moelab.presets import MARIN_LADDER
 from moelab.train.record import read_jsonl
@@ -75,7 +76,7 @@ def print_layer_table(rec: dict) -> None:
         print(f"  {i:<6}" + "".join(f"{float(rec[c + '_per_layer'][i]):>15.4f}" for c in cols))
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "experiments" / "exp13_ladder_forecast.py"
 DEMO_LADDER = ROOT / "ladders" / "demo.yaml"
 
@@ -117,7 +118,6 @@ def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str 
     rungs, a registered forecast, a monitored target, its health and verdict), then the site."""
     import time
 
-    from moelab.cli import print_plan, print_summary
     from moelab.lab.commands import load_experiment
     from moelab.lab.executor import Runner
     from moelab.report.site import build_site, forecast_figure

@@ -1,4 +1,4 @@
-"""The open lab: step identities, reuse, failures, leases, concurrent runners, verdicts, journal, site."""
+"""The lab's runner: step identities, reuse, failures, leases, concurrent runners, verdicts, the journal, Ray."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MICRO, ROOT
+from conftest import ROOT, write_experiment
 from moelab.cli import main
 from moelab.lab import Prediction, Step, output_of, verdict, versioned
 from moelab.lab.commands import load_experiment
@@ -38,51 +38,6 @@ def test_identity_follows_versioned_fields_and_dependencies():
     a4, b4 = graph(y=7)
     assert a4.identity() == a.identity() and b4.identity() != b.identity()
     assert b.dirname() == f"b-{b.identity()}" and b.deps() == [a]
-
-
-# an experiment file whose steps count their runs in COUNTS and can be made to fail or hang
-EXPERIMENT = """
-import os, time
-from pathlib import Path
-from moelab.lab import Experiment, Prediction, Step, output_of, versioned
-
-COUNTS = Path(os.environ["LAB_COUNTS"])
-
-def work(cfg, out):
-    with open(COUNTS / cfg["name"], "a") as fh:
-        fh.write("ran\\n")
-    if os.environ.get("LAB_FAIL") == cfg["name"]:
-        raise RuntimeError("boom in " + cfg["name"])
-    hang = COUNTS / ("hang-" + cfg["name"])
-    if os.environ.get("LAB_HANG") == cfg["name"] and not hang.exists():
-        hang.write_text("started")
-        time.sleep(120)
-    time.sleep(float(os.environ.get("LAB_SLEEP", "0")))
-    (out / "result.txt").write_text(cfg["name"])
-    upstream = cfg.get("input")
-    return {"value": 2.0 + (len(Path(upstream, "result.txt").read_text()) if upstream else 0)}
-
-a = Step("a", work, {"name": "a", "size": versioned(VALUE)})
-b = Step("b", work, {"name": "b", "input": output_of(a)})
-c = Step("c", work, {"name": "c", "input": output_of(b)})
-experiment = Experiment(issue=9, slug="chain", title="TITLE", goal="g", hypothesis=HYPOTHESIS,
-    prediction=Prediction(metric="c:value", value=3.0, low=2.9, high=3.1), steps=[c])
-"""
-
-
-def write_experiment(path: Path, value=1, hypothesis="h", title="a chain") -> Path:
-    text = EXPERIMENT.replace("VALUE", repr(value)).replace("HYPOTHESIS", repr(hypothesis)).replace("TITLE", title)
-    path.write_text(text)
-    return path
-
-
-@pytest.fixture
-def lab(tmp_path, monkeypatch):
-    counts = tmp_path / "counts"
-    counts.mkdir()
-    monkeypatch.setenv("LAB_COUNTS", str(counts))
-    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
-    return {"counts": counts, "prefix": tmp_path / "prefix", "exp": write_experiment(tmp_path / "exp9_chain.py")}
 
 
 def runs(counts: Path) -> dict:
@@ -203,93 +158,6 @@ def test_dry_run_runs_nothing(lab, capsys):
     assert str(tmp) in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------ a real experiment and its site
-
-REAL = """
-from moelab.lab import Experiment, Prediction, output_of
-from moelab.lab.steps import eval_step, train_step
-
-train = train_step("micro", "tiny", OVERRIDES, progress=False)
-evaluate = eval_step("micro-eval", output_of(train))
-experiment = Experiment(issue=7, slug="micro", title="Micro <b>run</b>", goal="Check the site & its escaping.",
-    hypothesis="Loss falls. <script>alert('owned')</script>",
-    prediction=Prediction(metric="micro-eval:loss_dropless.macro", value=6.0, low=4.0, high=8.0), steps=[evaluate])
-"""
-
-
-@pytest.fixture(scope="module")
-def real_lab(corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("real_lab")
-    overrides = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=12"]
-    exp = root / "exp7_micro.py"
-    exp.write_text(REAL.replace("OVERRIDES", repr(overrides)))
-    assert main(["run", str(exp), "--prefix", str(root / "prefix")]) == 0
-    site = root / "site"
-    assert main(["report", "--prefix", str(root / "prefix"), "--out", str(site)]) == 0
-    return {"exp": exp, "prefix": root / "prefix", "site": site}
-
-
-def test_issue_text_has_every_section(real_lab, capsys):
-    assert main(["issue", str(real_lab["exp"]), "--prefix", str(real_lab["prefix"])]) == 0
-    md = capsys.readouterr().out
-    for section in ("## Goal", "## Hypothesis", "## Pre-registered prediction", "## Steps and configs", "## Results"):
-        assert section in md
-    assert "CONFIRMED" in md and "micro-eval:loss_dropless.macro" in md
-    assert "| micro |" in md and "K /" in md  # parameters of the trained config
-
-
-def test_site_escapes_user_text(real_lab):
-    page = (real_lab["site"] / "exp7_micro.html").read_text()
-    assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
-    assert "<script" not in page and "Micro &lt;b&gt;run&lt;/b&gt;" in page
-    index = (real_lab["site"] / "index.html").read_text()
-    assert "exp7_micro.html" in index and "CONFIRMED" in index
-    for key in ("loss", "lr", "grad_norm", "dropped", "expert_load", "router_entropy", "throughput"):
-        assert f"id='micro-{key}'" in page, key
-    assert page.count("<svg") >= 7 and "step_finished" in page and "checkpoint" in page
-
-
-CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None)
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium: apt-get install chromium (.ci/run does this)")
-def test_site_opens_in_headless_chromium_without_errors(real_lab, tmp_path):
-    from PIL import Image
-
-    for page in ("index.html", "exp7_micro.html"):
-        shot = tmp_path / f"{page}.png"
-        res = subprocess.run(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-                f"--user-data-dir={tmp_path / 'profile'}",
-                "--enable-logging=stderr",
-                "--v=0",
-                "--window-size=1200,2400",
-                f"--screenshot={shot}",
-                (real_lab["site"] / page).as_uri(),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert shot.exists(), res.stderr[-2000:]
-        console = [line for line in res.stderr.splitlines() if "CONSOLE" in line or "Failed to load resource" in line]
-        assert not console, console
-        pixels = Image.open(shot).convert("L")
-        lo, hi = pixels.getextrema()
-        assert hi - lo > 100, page  # not blank
-        if page != "index.html":
-            # the plots render: a region below the header holds many distinct shades
-            assert len(pixels.crop((0, 600, 1200, 2400)).getcolors(maxcolors=1 << 16)) > 50
-
-
 RAY_EXPERIMENT = """
 import os
 from moelab.lab import Experiment, Prediction, Step, versioned
@@ -336,40 +204,6 @@ def test_ray_backend_runs_independent_steps_as_tasks(tmp_path):
         assert json.loads(out.read_text())["pid"] != runner_pid  # the work ran in a Ray worker
     events = Journal(tmp_path / "p" / "experiments" / "exp8_ray" / "journal.jsonl").read()
     assert sorted(e["step"] for e in events if e["event"] == "step_finished") == ["left", "right"]
-
-
-def test_site_shows_config_diff_and_mid_run_changes(lab, capsys):
-    assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"])]) == 0
-    assert (
-        main(
-            [
-                "change",
-                str(lab["exp"]),
-                "--prefix",
-                str(lab["prefix"]),
-                "--what",
-                "lr x 0.5 <now>",
-                "--why",
-                "gradient norm kept climbing",
-                "--step",
-                "120",
-            ]
-        )
-        == 0
-    )
-    write_experiment(lab["exp"], value=5, hypothesis="second version")
-    assert main(["run", str(lab["exp"]), "--prefix", str(lab["prefix"])]) == 0
-    assert main(["report", "--prefix", str(lab["prefix"]), "--out", str(lab["prefix"] / "site")]) == 0
-    page = (lab["prefix"] / "site" / "exp9_chain.html").read_text()
-    assert "Diff against the previous version" in page
-    assert "-  &quot;size&quot;: 1" in page and "+  &quot;size&quot;: 5" in page
-    assert "lr x 0.5 &lt;now&gt;" in page and "gradient norm kept climbing" in page
-    events = Journal(lab["prefix"] / "experiments" / "exp9_chain" / "journal.jsonl").read()
-    (change,) = [e for e in events if e["event"] == "change"]
-    assert change["at_step"] == 120
-    assert main(["status", "--prefix", str(lab["prefix"])]) == 0
-    out = capsys.readouterr().out
-    assert "exp9_chain (v2)" in out and "SUCCESS" in out and "CONFIRMED" in out
 
 
 def test_force_reruns_the_step_and_what_depends_on_it(lab):

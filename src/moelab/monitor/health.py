@@ -361,8 +361,7 @@ def check_run(run_dir, forecast: dict | None = None, ladder=None) -> tuple[Healt
     from pathlib import Path
 
     from moelab.train import optim
-    from moelab.train.loop import load_run_config
-    from moelab.train.record import RunDir, read_jsonl
+    from moelab.train.record import RunDir, load_run_config, read_jsonl
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)

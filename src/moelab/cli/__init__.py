@@ -1,0 +1,48 @@
+"""`moelab ...`: the command line. Every command that takes a config takes ``--set`` overrides.
+
+A config or input the user can fix is refused with one line per problem and exit code 2. One small
+module per area registers its subcommands: config, train, lab, ladder, bench; printing shared by
+them lives in cli/common.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from moelab.cli import bench, config, lab, ladder, train
+from moelab.errors import ConfigError, RunError, UsageError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelab", description="An open laboratory for MoE training in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for area in (config, train, lab, ladder, bench):
+        area.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command itself (not a call from Python): restart with huge pages (moelab/_alloc.py)
+        from moelab._alloc import restart_with_hugepages
+
+        restart_with_hugepages(sys.argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"moelab: {line}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"moelab: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"moelab: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""What the command modules share: the config arguments, number checks and the printing of a run's
+summary and a ladder's plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
+    if optional:
+        p.add_argument("config", nargs="?", help=f"a preset name (see `moelab presets`) or a YAML file{optional}")
+    else:
+        p.add_argument("config", help="a preset name (see `moelab presets`) or a YAML file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one field, for example --set model.top_k=4 (repeatable)",
+    )
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\nrun: {summary['run']}  (config.json, metrics.jsonl, events.jsonl, summary.json, ckpt/)")
+    if "final_eval" in summary:
+        first, final = summary["first_eval"], summary["final_eval"]
+        print(f"  {'held-out domain':<16} {'loss at 0':>10} {'final loss':>11} {'dropless':>9} {'bits/byte':>10}")
+        for d in final["loss"]:
+            print(
+                f"  {d:<16} {first['loss'][d]:>10.4f} {final['loss'][d]:>11.4f} {final['loss_dropless'][d]:>9.4f}"
+                f" {final['bpb'][d]:>10.4f}"
+            )
+    if "final_loss" in summary:
+        print(
+            f"  final train loss {summary['final_loss']:.4f}; dropped {summary['dropped_frac']:.4f} and spilled "
+            f"{summary['spilled_frac']:.4f} of assignments; {summary['tokens_per_s']:,.0f} tokens/s; "
+            f"MFU {summary['mfu']:.1%} of the measured matmul peak"
+        )
+
+
+def print_plan(ladder, flops_per_s: float | None = None, as_json: bool = False) -> None:
+    """The rungs (and target) of a ladder: shapes, parameters, tokens, steps, FLOPs, time here."""
+    from moelab import accounting
+    from moelab.ladder.plan import plan
+    from moelab.train.record import matmul_peak
+
+    assumed_mfu = 0.2  # what the tiny demo reaches on 2 CPU cores
+    rate = flops_per_s or assumed_mfu * matmul_peak()
+    rows = plan(ladder, rate)
+    if as_json:
+        print(json.dumps({"ladder": ladder.name, "flops_per_s": rate, "rungs": rows}, indent=1))
+        return
+    h = accounting.human
+    print(
+        f"{ladder.name}: recipe {ladder.recipe}, head_dim {ladder.head_dim}; time at {rate:.3g} FLOP/s"
+        + ("" if flops_per_s else f" ({assumed_mfu:.0%} of this machine's measured matmul peak)")
+    )
+    print(
+        f"  {'rung':<13} {'layers':>6} {'heads':>5} {'kv l/g':>7} {'batch':>6} {'total':>8} {'active':>8} {'tokens':>9}"
+        f" {'tok/act':>7} {'steps':>7} {'FLOPs':>9} {'time':>9}"
+    )
+    for r in rows:
+        t = r["seconds"]
+        when = (
+            f"{t / 86400 / 365:.3g} y"
+            if t > 86400 * 365
+            else f"{t / 86400:.1f} d"
+            if t > 172800
+            else f"{t / 3600:.1f} h"
+            if t > 3600
+            else f"{t / 60:.1f} min"
+            if t > 60
+            else f"{t:.0f} s"
+        )
+        print(
+            f"  {r['rung']:<13} {r['n_layers']:>6} {r['n_heads']:>5} {r['kv_heads_local']:>3}/{r['kv_heads_global']:<3}"
+            f" {r['batch_size']:>6} {h(r['total_params']):>8} {h(r['active_params']):>8} {r['tokens']:>9.3g}"
+            f" {r['tokens_per_active_param']:>7.0f} {r['steps']:>7} {r['train_flops']:>9.3g} {when:>9}"
+        )

@@ -1,0 +1,86 @@
+"""`moelab` commands: the config: its parameters and FLOPs, the validated config, the presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from moelab.cli.common import add_config_args
+from moelab.config import load_config, to_dict
+from moelab.errors import UsageError
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from moelab import accounting
+
+    cfg = load_config(args.config, args.overrides)
+    if args.tokens is not None and (args.steps is not None or args.batch_tokens is not None):
+        raise UsageError("--tokens: give either --tokens or --steps with --batch-tokens, not both")
+    if args.tokens is not None:
+        tokens = args.tokens
+    elif args.steps is not None or args.batch_tokens is not None:
+        steps = args.steps if args.steps is not None else cfg.train.steps
+        batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg.train.batch_size * cfg.model.seq_len
+        tokens = steps * batch_tokens
+    else:
+        tokens = accounting.run_tokens(cfg)
+    if tokens <= 0:
+        raise UsageError(f"--tokens: must be > 0, got {tokens:g}")
+    out = accounting.count(cfg).train(tokens)
+    out["config"] = cfg.name or args.config
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    h = accounting.human
+    rows = [
+        ("total parameters", h(out["total_params"])),
+        ("  without embeddings and head", h(out["total_params_nonembedding"])),
+        ("active parameters (Marin)", h(out["active_params"])),
+        ("  with embeddings and head", h(out["active_params_with_embeddings"])),
+        ("norm parameters (not counted)", h(out["norm_params"])),
+        ("forward FLOPs / token", f"{out['forward_flops_per_token']:.4g}"),
+        ("  without LM head", f"{out['forward_flops_per_token_without_lm_head']:.4g}"),
+        ("tokens", f"{out['tokens']:.4g}"),
+        ("training FLOPs (3 x forward)", f"{out['train_flops']:.4g}"),
+        ("  without LM head", f"{out['train_flops_without_lm_head']:.4g}"),
+        ("6 N D", f"{out['six_n_d']:.4g}"),
+    ]
+    print(f"{out['config']}")
+    for name, value in rows:
+        print(f"  {name:<32} {value:>12}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from moelab.config import config_hash
+
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps({"hash": config_hash(cfg), **to_dict(cfg)}, indent=1))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from moelab import accounting
+    from moelab.presets import PRESETS
+
+    for name in PRESETS:
+        a = accounting.count(load_config(name))
+        print(f"{name:<22} total {accounting.human(a.total_params):>8}  active {accounting.human(a.active_params):>8}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("flops", help="parameters and FLOPs of a config, by Marin's definitions")
+    add_config_args(p)
+    p.add_argument("--steps", type=int, help="training steps (default: the config's train.steps)")
+    p.add_argument("--batch-tokens", type=int, help="tokens per step (default: batch_size x seq_len)")
+    p.add_argument("--tokens", type=float, help="total training tokens, instead of --steps/--batch-tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("config", help="print a validated config as JSON, with its hash")
+    add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("presets", help="list the named configs")
+    p.set_defaults(func=cmd_presets)

@@ -1,0 +1,132 @@
+"""`moelab` commands: the open lab: experiments, their record, the site, the demo."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from moelab.lab.commands import dry_run, load_experiment
+    from moelab.lab.executor import Runner
+
+    exp = load_experiment(args.experiment)
+    if args.ray_address:
+        import os
+
+        os.environ["MOELAB_RAY_ADDRESS"] = args.ray_address
+    runner = Runner(
+        exp, args.prefix, only=args.only, force=args.force, max_concurrent=args.max_concurrent, backend=args.backend
+    )
+    if args.dry_run:
+        print(f"{exp.name}: {exp.title}  (nothing runs with --dry-run)")
+        print(f"  {'step':<22} {'status':<8} {'FLOPs':>10} {'est. time':>10}  output")
+        for r in dry_run(runner):
+            flops = f"{r['flops']:.3g}" if r["flops"] else "-"
+            secs = f"{r['seconds']:.0f}s" if r["seconds"] else "-"
+            print(f"  {r['step']:<22} {r['status']:<8} {flops:>10} {secs:>10}  {r['output']}")
+        return 0
+    print(f"{exp.name}: {exp.title}")
+    result = runner.run()
+    for v in (result["verdict"], result["post_hoc_verdict"]):
+        if v:
+            print(
+                f"verdict: {v['verdict']} ({v['why']}; predicted {v['predicted']:g}, prediction v{v['prediction_version']})"
+            )
+    failed = [k for k, x in result["steps"].items() if x != "SUCCESS"]
+    if failed:
+        print(f"not finished: {', '.join(failed)}; the journal has the tracebacks; run again to resume")
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from moelab.lab.commands import status_rows
+
+    rows = status_rows(Path(args.prefix))
+    if not rows:
+        print(f"no experiments under {args.prefix}")
+    for r in rows:
+        late = "".join(f"; {v}" for v in r["post_hoc_verdicts"])
+        print(f"{r['experiment']} (v{r['version']}): {r['title']}  verdict: {r['verdict'] or '-'}{late}")
+        for s in r["steps"]:
+            print(f"  {s['status']:<8} {s['name']:<22} {args.prefix}/{s['dir']}")
+    return 0
+
+
+def cmd_issue(args: argparse.Namespace) -> int:
+    from moelab.lab.commands import issue_markdown, load_experiment
+
+    print(issue_markdown(load_experiment(args.experiment), Path(args.prefix)), end="")
+    return 0
+
+
+def cmd_change(args: argparse.Namespace) -> int:
+    from moelab.lab.commands import load_experiment
+    from moelab.lab.journal import Journal
+
+    exp = load_experiment(args.experiment)
+    journal = Journal(Path(args.prefix) / "experiments" / exp.name / "journal.jsonl")
+    rec = journal.change(args.what, args.why, args.step)
+    print(f"recorded in {journal.path}: {rec['what']} (why: {rec['why']})")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from moelab.report.site import build_site
+
+    index = build_site(Path(args.prefix), Path(args.out))
+    print(f"site: {index}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moelab.cli.demo import run_demo
+
+    return run_demo(experiment=args.experiment, prefix=args.prefix, site=args.site)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="run an experiment's steps, reusing finished ones; record it in the journal")
+    p.add_argument("experiment", help="experiments/exp<issue>_<slug>.py")
+    p.add_argument("--prefix", default="runs/lab", help="where step outputs and journals live (default runs/lab)")
+    p.add_argument("--dry-run", action="store_true", help="print the graph, FLOPs and time; run nothing")
+    p.add_argument("--only", metavar="REGEX", help="only steps whose name matches (and what they need)")
+    p.add_argument("--force", metavar="REGEX", help="run matching steps again even if they succeeded")
+    p.add_argument("--max-concurrent", type=int, default=1, metavar="N")
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="ray: steps run as Ray tasks with their resource requests (pip install 'moelab[ray]')",
+    )
+    p.add_argument("--ray-address", help="a Ray cluster to join (default: start a local instance)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("status", help="experiments under a prefix and their steps")
+    p.add_argument("--prefix", default="runs/lab")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("issue", help="GitHub-issue markdown for an experiment")
+    p.add_argument("experiment")
+    p.add_argument("--prefix", default="runs/lab")
+    p.set_defaults(func=cmd_issue)
+
+    p = sub.add_parser("change", help="record a mid-run change in an experiment's journal: what, why, at which step")
+    p.add_argument("experiment")
+    p.add_argument("--what", required=True)
+    p.add_argument("--why", required=True)
+    p.add_argument("--step", type=int, help="the training step it takes effect at")
+    p.add_argument("--prefix", default="runs/lab")
+    p.set_defaults(func=cmd_change)
+
+    p = sub.add_parser("report", help="write the static site of every experiment under a prefix")
+    p.add_argument("--prefix", default="runs/lab")
+    p.add_argument("--out", required=True, help="the site's folder")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
+    p.add_argument("--experiment", help="an experiment file (default: experiments/exp4_tiny_stdlib.py)")
+    p.add_argument("--prefix", default="runs/lab", help="where the experiment's steps and journal go")
+    p.add_argument("--site", default="runs/site", help="where the site is written")
+    p.set_defaults(func=cmd_demo)

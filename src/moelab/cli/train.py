@@ -1,0 +1,217 @@
+"""`moelab` commands: training and evaluating a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moelab.cli.common import add_config_args, positive_int, print_summary
+from moelab.config import load_config
+from moelab.errors import UsageError
+
+
+def _train_config(args: argparse.Namespace):
+    from moelab.config import replace
+
+    if args.config is None:  # `moelab train --resume --out DIR`: the run's own (perhaps re-planned) config
+        from moelab.train.record import load_run_config
+
+        if not args.resume:
+            raise UsageError("config: give a preset or a YAML file (only --resume may leave it out)")
+        given = [n for n in ("steps", "seed", "data", "inject") if getattr(args, n)] + (
+            ["set"] if args.overrides else []
+        )
+        if given:
+            raise UsageError(
+                f"--{given[0]}: resuming without a config takes the run's own; give the config to change it"
+            )
+        return load_run_config(args.out)
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.inject:
+        overrides.append("train.inject=[" + ", ".join(args.inject) + "]")
+    cfg = load_config(args.config, overrides)
+    if args.data:
+        cfg = replace(cfg, data={"sources": tuple(args.data)})
+    return cfg
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    out = ([args.config] if args.config else []) + ["--out", args.out]
+    if args.steps is not None:
+        out += ["--steps", str(args.steps)]
+    if args.seed is not None:
+        out += ["--seed", str(args.seed)]
+    for d in args.data or []:
+        out += ["--data", d]
+    for o in args.overrides:
+        out += ["--set", o]
+    for t in args.tracker or []:
+        out += ["--tracker", t]
+    for spec in args.inject or []:
+        out += ["--inject", spec]
+    if args.resume:
+        out.append("--resume")
+    if args.devices:
+        out += ["--devices", str(args.devices)]
+    if args.quiet:
+        out.append("--quiet")
+    return out
+
+
+def _join_job(args: argparse.Namespace) -> None:
+    """Join a multi-process job through ``jax.distributed`` (flags, or MOELAB_COORDINATOR,
+    MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID)."""
+    import os
+
+    coordinator = args.coordinator or os.environ.get("MOELAB_COORDINATOR")
+    if not coordinator:
+        return
+    try:
+        n = int(args.num_processes or os.environ.get("MOELAB_NUM_PROCESSES", ""))
+        pid = int(args.process_id if args.process_id is not None else os.environ.get("MOELAB_PROCESS_ID", ""))
+    except ValueError:
+        raise UsageError("--num-processes and --process-id: give both (or MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID) "
+                         "with --coordinator") from None  # fmt: skip
+    if not 0 <= pid < n:
+        raise UsageError(f"--process-id: {pid} is not in [0, {n})")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices talk over gloo; GPUs ignore it
+    jax.distributed.initialize(coordinator, n, pid)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.devices:
+        from moelab.parallel.mesh import MeshError, request_devices
+
+        if args.devices < 1:
+            raise UsageError(f"--devices: must be >= 1, got {args.devices}")
+        try:
+            request_devices(args.devices)  # before JAX loads
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
+    cfg = _train_config(args)  # refuse a bad config before anything starts
+    _join_job(args)
+    if args.max_restarts:
+        from moelab.train.supervise import supervise
+
+        return supervise(_child_args(args), args.out, args.max_restarts)
+    from moelab.train.loop import train
+    from moelab.train.trackers import make_trackers
+
+    summary = train(
+        cfg,
+        args.out,
+        resume=args.resume,
+        progress=not args.quiet,
+        trackers=make_trackers(args.tracker or [], cfg, args.out),
+    )
+    print_summary(summary)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json as _json
+
+    from moelab.train.evaluate import eval_noise, evaluate_run
+
+    if args.noise:
+        if not args.json:
+            print(
+                f"evaluating {args.run_dir} on up to {args.noise} disjoint sets of held-out windows ...",
+                file=sys.stderr,
+            )
+        res = eval_noise(args.run_dir, args.checkpoint, sets=args.noise, progress=not args.json, against=args.against)
+        if args.json:
+            print(_json.dumps(res, indent=1))
+            return 0
+        print(
+            f"{args.run_dir} at step {res['step']}: held-out loss (dropless, macro) on {res['sets']} disjoint window "
+            f"sets of {res['eval_tokens_per_domain']} tokens per domain: {' '.join(f'{x:.4f}' for x in res['macro'])}"
+        )
+        print(f"  the noise of one evaluation: {res['relative_sd']:.3%} of the loss (standard deviation across sets)")
+        if "paired_relative_sd" in res:
+            print(
+                f"  relative to {res['paired_with']} on the same windows: {res['paired_relative_sd']:.3%} (what does not cancel)"
+            )
+        for d, v in res["per_domain_relative_sd"].items():
+            print(f"  {d:<16} {v:.3%}")
+        for d in res["read_whole"]:
+            print(f"  {d:<16} one set: the evaluation reads its whole held-out stream")
+        return 0
+    res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json)
+    if args.json:
+        print(_json.dumps(res, indent=1))
+        return 0
+    print(f"{args.run_dir} at step {res['step']}")
+    print(f"  {'domain':<16} {'loss':>8} {'bits/byte':>10} {'dropless':>9} {'bits/byte':>10}")
+    for d in res["loss"]:
+        print(
+            f"  {d:<16} {res['loss'][d]:>8.4f} {res['bpb'][d]:>10.4f} {res['loss_dropless'][d]:>9.4f}"
+            f" {res['bpb_dropless'][d]:>10.4f}"
+        )
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model; writes config, metrics, events and checkpoints to --out")
+    add_config_args(p, optional="; with --resume it may be left out: the run's own config (as re-planned)")
+    p.add_argument("--out", required=True, help="the run directory")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument(
+        "--data",
+        action="append",
+        metavar="SOURCE",
+        help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process job: its coordinator address")
+    p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1 (0 writes the records)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="simulate N CPU devices (for mesh.data x mesh.expert = N); set before JAX loads",
+    )
+    p.add_argument(
+        "--tracker",
+        action="append",
+        choices=["wandb", "tensorboard"],
+        help="also mirror metrics to this tracker (repeatable)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart a training process that dies, from its newest checkpoint, up to N times",
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        metavar="KIND@STEP[:ARG]",
+        help="inject a fault (repeatable): lr_spike, lr_high, data_corruption, data_stuck, router_collapse, router_drift or zloss_off",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="held-out loss and bits per byte of a run's checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
+    p.add_argument(
+        "--noise",
+        type=positive_int,
+        nargs="?",
+        const=8,
+        metavar="SETS",
+        help="the evaluation's own noise: the checkpoint on up to SETS (8) disjoint sets of held-out windows",
+    )
+    p.add_argument("--against", metavar="RUN_DIR", help="with --noise: also the noise of the ratio to this run's loss")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,187 @@
+"""Health checks: on synthetic runs, against the ladder's trajectories, and a real schedule bug."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from moelab.config import load_config, to_dict
+from moelab.monitor.health import check_records, ladder_trajectories
+
+
+def synthetic_run(n=100, seed=0, fault=None, at=60):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(1, n + 1):
+        step = 10 * i
+        loss = 2.0 + 6.0 * np.exp(-i / 15) + rng.normal(0, 0.02)
+        gn = 1.0 + 0.5 * np.sin(i / 30) + rng.normal(0, 0.03)
+        drop = 0.01 + rng.normal(0, 0.001)
+        if fault == "loss_jump" and i >= at:
+            loss += 1.5
+        if fault == "grad_doubling" and i >= at:
+            gn *= 2.0 ** (i - at + 1)
+        if fault == "drops_climbing" and i >= at:
+            drop += 0.02 * (i - at + 1)
+        recs.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "grad_norm": gn,
+                "dropped_frac": drop,
+                "router_entropy": 0.92,
+                "mfu": 0.2 + rng.normal(0, 0.005),
+                "lr": 1e-3,
+                "bias_std": 0.3,
+                "param_norm_groups": {"embedding": 100 + 0.1 * i},
+            }
+        )
+        if i % 10 == 0:
+            recs.append({"kind": "eval", "step": step, "loss": {"macro": loss + 0.1}})
+    return recs
+
+
+def alerts(mon):
+    return [(f.check, f.step) for f in mon.findings if f.level == "ALERT"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clean_synthetic_run_raises_no_alert(seed):
+    mon = check_records(synthetic_run(seed=seed), lr_at=lambda s: 1e-3)
+    assert alerts(mon) == []
+
+
+@pytest.mark.parametrize(
+    "fault,check",
+    [("loss_jump", "loss_decreasing"), ("grad_doubling", "grad_norm_growth"), ("drops_climbing", "drops_trend")],
+)
+def test_synthetic_faults_raise_an_alert_at_the_right_step(fault, check):
+    mon = check_records(synthetic_run(fault=fault, at=60), lr_at=lambda s: 1e-3)
+    found = [step for c, step in alerts(mon) if c == check]
+    assert found, alerts(mon)
+    assert 600 <= found[0] <= 600 + 5 * 10, found  # within five log steps of the fault at step 600
+    assert all(step >= 600 for _, step in alerts(mon))  # nothing flagged before it
+
+
+def test_non_finite_values_alert():
+    recs = synthetic_run(n=30)
+    recs[25]["loss"] = float("nan")
+    mon = check_records(recs)
+    assert ("non_finite", recs[25]["step"]) in alerts(mon)
+
+
+def test_a_schedule_bug_in_the_optimiser_is_caught_by_the_rate_it_applied(corpus, tmp_path, monkeypatch):
+    """A bug in how the optimiser's rate is set (here: the state gets the rate of a step 10 steps
+    later, so warmup is skipped, while the rate it reports is right) is invisible to the schedule
+    function and to the reported rate; the check holds the rate the optimiser applied, read from its
+    state, against the plan registered at launch, and ALERTs."""
+    from conftest import MICRO
+    from moelab.config import load_config
+    from moelab.train import optim
+    from moelab.train.loop import train
+    from moelab.train.record import read_jsonl
+
+    cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=20",
+                               "train.warmup_frac=0.5", "train.eval_every=20"])  # fmt: skip
+    right = optim.set_lr
+    train(cfg, tmp_path / "ok", progress=False)
+    monkeypatch.setattr(
+        optim,
+        "set_lr",
+        lambda state, step, h, scale=1.0: (right(state, step + 10, h, scale)[0], right(state, step, h, scale)[1]),
+    )
+    train(cfg, tmp_path / "bug", progress=False)
+
+    def lr_alerts(run):
+        return [e["step"] for e in read_jsonl(run / "events.jsonl") if e["event"] == "health"
+                and e["check"] == "lr_schedule" and e["level"] == "ALERT"]  # fmt: skip
+
+    assert lr_alerts(tmp_path / "ok") == [] and lr_alerts(tmp_path / "bug") == [1]
+    plan = np.load(tmp_path / "bug" / "lr_plan.npy")
+    applied = [r["lr"] for r in read_jsonl(tmp_path / "bug" / "metrics.jsonl") if r["kind"] == "train"]
+    assert applied[0] == pytest.approx(plan[10]) and applied[0] != pytest.approx(plan[0])
+
+
+def test_eval_loss_outside_the_forecast_band_alerts():
+    fc = {"steps": [100, 200, 300], "loss": [5.0, 4.5, 4.2], "low": [4.9, 4.4, 4.1], "high": [5.1, 4.6, 4.3]}
+    recs = [
+        {"kind": "eval", "step": s, "loss": {"macro": v}, "loss_dropless": {"macro": v}}
+        for s, v in ((100, 5.02), (200, 4.55), (300, 4.9))
+    ]
+    mon = check_records(recs, forecast=fc)
+    assert alerts(mon) == [("forecast_band", 300)]
+
+
+def trajectory_run(steps, seed, fault=None, records=100):
+    """Training records whose gradient norm falls from a warmup peak and whose drops sit near 1%."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(1, records + 1):
+        step = round(i * steps / records)
+        f = step / steps
+        gn = (0.4 + 2.0 * np.exp(-f / 0.08)) * np.exp(rng.normal(0, 0.05))
+        drop = 0.01 + rng.normal(0, 0.001)
+        if fault == "slow_grad_growth" and f > 0.5:
+            gn *= 2.0 ** ((f - 0.5) / 0.07)  # doubles every 7% of the run: never 2x in five log steps
+        if fault == "slow_drop_climb" and f > 0.5:
+            drop += 0.0015 * (i - records // 2)  # 0.15 points per log step
+        out.append(
+            {"kind": "train", "step": step, "loss": 3 + 3 * np.exp(-3 * f), "grad_norm": gn, "dropped_frac": drop}
+        )
+    return out
+
+
+def write_rung_run(root, name, steps, seed):
+    run = root / name
+    run.mkdir()
+    cfg = load_config("tiny", [f"train.steps={steps}"])
+    (run / "config.json").write_text(json.dumps({"hash": "x", "config": to_dict(cfg)}))
+    with open(run / "metrics.jsonl", "w") as fh:
+        for rec in trajectory_run(steps, seed, records=steps // 10):
+            fh.write(json.dumps(rec) + "\n")
+    return run
+
+
+@pytest.fixture
+def ladder_runs(tmp_path):
+    return [write_rung_run(tmp_path, f"r{i}", steps, seed=i) for i, steps in enumerate((300, 600, 1200))]
+
+
+def test_a_clean_run_matches_the_ladder(ladder_runs):
+    lad = ladder_trajectories(ladder_runs)
+    for seed in (10, 11, 12):
+        mon = check_records(trajectory_run(5000, seed), ladder=lad, steps=5000)
+        assert alerts(mon) == [], alerts(mon)
+        assert mon.state["grad_norm_vs_ladder"] == "OK" and mon.state["drops_vs_ladder"] == "OK"
+
+
+@pytest.mark.parametrize(
+    "fault,check", [("slow_grad_growth", "grad_norm_vs_ladder"), ("slow_drop_climb", "drops_vs_ladder")]
+)
+def test_slow_faults_that_only_the_ladder_catches(ladder_runs, fault, check):
+    records = trajectory_run(5000, 10, fault=fault)
+    alone = check_records(records, steps=5000)  # the run against its own recent past
+    assert alerts(alone) == [], alerts(alone)
+    mon = check_records(records, ladder=ladder_trajectories(ladder_runs), steps=5000)
+    found = [step for c, step in alerts(mon) if c == check]
+    assert found, alerts(mon)
+    assert 2500 < found[0] <= 2500 + 0.2 * 5000  # within a fifth of the run after it began
+
+
+def test_health_command_takes_the_ladder(ladder_runs, tmp_path):
+    run = write_rung_run(tmp_path, "target", 3000, seed=20)
+    with open(run / "metrics.jsonl", "a") as fh:  # the gradient norm takes off at the end
+        for i in range(1, 31):
+            step = 3000 + 10 * i
+            rec = {"kind": "train", "step": step, "loss": 3.1, "grad_norm": 0.5 * 1.2**i, "dropped_frac": 0.01}
+            fh.write(json.dumps(rec) + "\n")
+    res = run_cli("health", str(run), "--ladder", *map(str, ladder_runs), "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["check"]: r for r in json.loads(res.stdout)}
+    assert rows["grad_norm_vs_ladder"]["level"] == "ALERT"
+    res = run_cli("health", str(run), "--ladder", str(tmp_path / "missing"))
+    assert res.returncode == 2 and "--ladder" in res.stderr and res.stderr.count("\n") == 1

@@ -1,0 +1,40 @@
+"""Ladder plans: Marin's rungs reproduced, the rules of a ladder file, bad files refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT, run_cli
+from moelab.ladder.plan import load_ladder, plan
+
+
+def test_marin_ladder_plan_reproduces_marins_rungs(marin):
+    rows = plan(load_ladder(ROOT / "ladders" / "marin.yaml"))
+    for row, ref in zip(rows, marin["ladder"], strict=True):
+        assert row["rung"] == ref["name"]
+        assert (row["kv_heads_local"], row["kv_heads_global"]) == (ref["kv_heads_local"], ref["kv_heads_global"])
+        assert row["steps"] == pytest.approx(ref["steps"], rel=1e-3)  # 791 tokens per active parameter
+        assert row["active_params"] == pytest.approx(ref["expected_active"], rel=0.005)
+        assert row["train_flops"] == pytest.approx(ref["expected_train_flops_with_lm_head"], rel=0.005)
+
+
+def test_tiny_ladder_follows_its_rules():
+    rows = plan(load_ladder(ROOT / "ladders" / "tiny.yaml"))
+    assert [r["n_heads"] for r in rows] == [2, 3, 4]  # d / head_dim
+    assert [r["n_layers"] for r in rows] == [2, 3, 4]  # d / 32
+    for r in rows:
+        assert 20 <= r["tokens_per_active_param"] < 20 + 16 * 128 / r["active_params"] + 1e-9  # one step's rounding
+    assert rows[0]["train_flops"] < rows[1]["train_flops"] < rows[2]["train_flops"]
+
+
+def test_bad_ladder_file_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "recipe: tiny\nwidths: [64, 100]\nhead_dim: 32\nlayers: [2]\nbatch: 4\ntokens_per_active_param: 20\n"
+    )
+    res = run_cli("ladder", "plan", str(bad))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert any("batch: unknown key" in x for x in lines)
+    res = run_cli("ladder", "plan", str(bad).replace("bad", "missing"))
+    assert res.returncode == 2 and "no such ladder file" in res.stderr
