@@ -4,12 +4,14 @@ The tiny model, 200 steps of 8 x 128 tokens, faults injected at step 100 (lr_hig
 Each fault changes one thing (moelab.monitor.faults). Two sets of clean runs, apart:
 
 - `--calibrate`: clean seeds 100-104 on the standard library. Each check's statistic, relative to
-  its ALERT threshold, is recorded at its highest over each run (1 = at the threshold). The
-  thresholds in moelab.monitor.health were chosen from these, before any scoring run.
+  its own threshold (every scale at 1), is recorded at its highest over each run. LOGIT_GROWTH and
+  EVAL_GAP in moelab.monitor.health were chosen from these, and these runs are part of the
+  calibration of its SCALES (benchmarks/health_calibration.py), both before any scoring run.
 - scoring (the default): clean seeds 0-9 on the standard library (the false-positive rate), clean
   seeds 0-2 on `cheaders`, a corpus no threshold was chosen on, and one run per fault (seed 0): for
   each, caught or not, steps from the injection to the first ALERT, and every check that raised
-  one, with its first step.
+  one, with its first step (the monitor over the run's records, as in the training loop, with the
+  calibrated SCALES).
 
 Writes benchmarks/results/fault_detection.json (or fault_detection_calibration.json); `--table`
 prints the README's table from that JSON. About 15 minutes for the scoring runs, 4 for calibration.
@@ -40,12 +42,6 @@ CLEAN_SEEDS = range(10)
 UNSEEN_SEEDS = range(3)
 
 
-def alerts(run: Path) -> list[dict]:
-    from moelab.train.record import read_jsonl
-
-    return [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "health" and e["level"] == "ALERT"]
-
-
 def fired(found: list[dict], after: int = 0) -> dict:
     """check -> the step of its first ALERT at or after ``after``."""
     out = {}
@@ -55,16 +51,18 @@ def fired(found: list[dict], after: int = 0) -> dict:
     return out
 
 
-def one(base: list[str], run: Path, extra: list[str]) -> tuple[list[dict], dict, float]:
-    """Train, then the run's ALERTs and each check's highest score (the health monitor offline)."""
+def one(base: list[str], run: Path, extra: list[str], scales=None) -> tuple[list[dict], dict, float]:
+    """Train, then the run's ALERTs and each check's highest score (the health monitor offline, under
+    ``scales``: None for moelab.monitor.health.SCALES, {} for every check's own rule)."""
     from moelab.config import load_config
     from moelab.monitor.health import check_run
     from moelab.train.loop import train
 
     t0 = time.time()
     train(load_config("tiny", [*base, *extra]), run, progress=False)
-    mon, _ = check_run(run)
-    return alerts(run), mon.scores, time.time() - t0
+    mon, _ = check_run(run, scales=scales)
+    found = [{"step": f.step, "check": f.check} for f in mon.findings if f.level == "ALERT"]
+    return found, mon.scores, time.time() - t0
 
 
 def main() -> None:
@@ -94,7 +92,7 @@ def main() -> None:
            "injected_at": at, "clean": [], "unseen": [], "faults": []}  # fmt: skip
     if args.calibrate:
         for seed in CALIBRATION_SEEDS:
-            found, scores, secs = one(base, root / f"clean-{seed}", [f"train.seed={seed}"])
+            found, scores, secs = one(base, root / f"clean-{seed}", [f"train.seed={seed}"], scales={})
             out["clean"].append({"seed": seed, "alerts": len(found), "scores": scores, "seconds": secs})
             worst = max(scores.items(), key=lambda kv: kv[1])
             print(
