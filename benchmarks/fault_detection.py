@@ -14,7 +14,7 @@ Each fault changes one thing (moelab.monitor.faults). Two sets of clean runs, ap
   calibrated SCALES).
 
 Writes benchmarks/results/fault_detection.json (or fault_detection_calibration.json); `--table`
-prints the README's table from that JSON. About 15 minutes for the scoring runs, 4 for calibration.
+prints the README's table from that JSON. About 18 minutes for the scoring runs, 4 for calibration.
 """
 
 from __future__ import annotations

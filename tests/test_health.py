@@ -223,3 +223,22 @@ def test_health_command_takes_the_ladder(ladder_runs, tmp_path):
     assert rows["grad_norm_vs_ladder"]["level"] == "ALERT"
     res = run_cli("health", str(run), "--ladder", str(tmp_path / "missing"))
     assert res.returncode == 2 and "--ladder" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_logit_growth_flags_a_drifting_log_partition_and_not_a_slow_rise():
+    """The mean squared log-partition doubling every 10% of the run from its middle (what an
+    unchecked log-partition does when it drifts) is an ALERT under the calibrated scale (x1.56 over a
+    tenth of the run) within that tenth; the same run rising 5% over its whole length is not."""
+
+    def run(drift: bool) -> list[dict]:
+        recs = []
+        for i in range(1, 201):
+            step, f = 10 * i, i / 200
+            z = 60.0 * (1 + 0.05 * f) * (2.0 ** ((f - 0.5) / 0.1) if drift and f > 0.5 else 1.0)
+            recs.append({"kind": "train", "step": step, "loss": 3 + 3 * np.exp(-3 * f), "grad_norm": 1.0, "logit_z": z})
+        return recs
+
+    assert "logit_growth" not in dict(alerts(check_records(run(False), steps=2000)))
+    mon = check_records(run(True), steps=2000)
+    found = [s for c, s in alerts(mon) if c == "logit_growth"]
+    assert found and 1000 < found[0] <= 1200, found
