@@ -31,6 +31,8 @@ DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "layer")
 
+BYTE_LEVEL_BASE = 257  # a byte-level BPE's first tokens: 256 bytes and end-of-text
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -293,6 +295,8 @@ class TrainConfig:
             e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+        if not 0 <= t.seed < 2**32:
+            e.append(f"train.seed: must be in [0, 2**32), got {t.seed}")
         for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
             if getattr(t, n) < 0:
                 e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
@@ -340,6 +344,8 @@ class DataConfig:
         e: list[str] = []
         if not d.sources:
             e.append("data.sources: name at least one source (a path or 'stdlib')")
+        if not str(d.text_field).strip():
+            e.append("data.text_field: must name the field that holds a document's text (default 'text')")
         if not 0.0 <= d.held_out_fraction < 1.0:
             e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
         if d.max_bytes_per_domain < 0:
@@ -379,6 +385,16 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     name: str = ""
+
+    def check_vocab(self) -> list[str]:
+        """A tokenizer trained here is byte-level: its 256 bytes and the end-of-text token come first."""
+        v = self.model.vocab_size
+        if not self.data.tokenizer and 0 < v < BYTE_LEVEL_BASE:
+            return [
+                f"model.vocab_size: {v} is below the {BYTE_LEVEL_BASE} tokens a byte-level tokenizer starts "
+                f"with (256 bytes and end-of-text); use {BYTE_LEVEL_BASE} or more"
+            ]
+        return []
 
     def check_mesh(self) -> list[str]:
         """Problems with the mesh, against the model and the batch (across sections): one line each."""
@@ -610,10 +626,16 @@ def load_config(spec: str | Path | dict | Config, overrides: Sequence[str] = ())
             data, source = preset_dict(spec), f"preset {spec}"
         elif spec.endswith((".yaml", ".yml", ".json")) or Path(spec).exists():
             path = Path(spec)
+            if path.is_dir():
+                raise ConfigError([f"{spec}: is a directory; give a config file (YAML) or a preset"])
             if not path.is_file():
                 raise ConfigError([f"{spec}: no such config file (or preset: {', '.join(PRESETS)})"])
             try:
-                data = yaml.safe_load(path.read_text()) or {}
+                data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            except UnicodeDecodeError as exc:
+                raise ConfigError([f"{spec}: not UTF-8 text (byte {exc.start}); save the config as UTF-8"]) from None
+            except OSError as exc:
+                raise ConfigError([f"{spec}: cannot read ({exc.strerror or exc})"]) from None
             except yaml.YAMLError as exc:
                 mark = getattr(exc, "problem_mark", None)
                 where = f" line {mark.line + 1}" if mark else ""

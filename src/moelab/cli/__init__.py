@@ -15,8 +15,15 @@ from moelab.cli import bench, config, lab, ladder, train
 from moelab.errors import ConfigError, RunError, UsageError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (what is wrong and where to read more) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moelab", description="An open laboratory for MoE training in JAX.")
+    parser = Parser(prog="moelab", description="An open laboratory for MoE training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     for area in (config, train, lab, ladder, bench):
         area.register(sub)

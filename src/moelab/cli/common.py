@@ -43,10 +43,14 @@ def print_summary(summary: dict) -> None:
                 f" {final['bpb'][d]:>10.4f}"
             )
     if "final_loss" in summary:
+        speed = (
+            f"{summary['tokens_per_s']:,.0f} tokens/s; MFU {summary['mfu']:.1%} of the measured matmul peak"
+            if "tokens_per_s" in summary
+            else "speed not measured (every step compiled; run more steps to time them)"
+        )
         print(
             f"  final train loss {summary['final_loss']:.4f}; dropped {summary['dropped_frac']:.4f} and spilled "
-            f"{summary['spilled_frac']:.4f} of assignments; {summary['tokens_per_s']:,.0f} tokens/s; "
-            f"MFU {summary['mfu']:.1%} of the measured matmul peak"
+            f"{summary['spilled_frac']:.4f} of assignments; {speed}"
         )
 
 

@@ -19,6 +19,9 @@ def cmd_flops(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         tokens = args.tokens
     elif args.steps is not None or args.batch_tokens is not None:
+        for flag, v in (("--steps", args.steps), ("--batch-tokens", args.batch_tokens)):
+            if v is not None and v <= 0:
+                raise UsageError(f"{flag}: must be > 0, got {v}")
         steps = args.steps if args.steps is not None else cfg.train.steps
         batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg.train.batch_size * cfg.model.seq_len
         tokens = steps * batch_tokens

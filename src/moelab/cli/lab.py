@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moelab.errors import UsageError
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     from moelab.lab.commands import dry_run, load_experiment
@@ -75,7 +77,10 @@ def cmd_change(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from moelab.report.site import build_site
 
-    index = build_site(Path(args.prefix), Path(args.out))
+    prefix = Path(args.prefix)
+    if not prefix.is_dir():
+        raise UsageError(f"--prefix: no such directory {prefix}; give the prefix `moelab run` wrote to")
+    index = build_site(prefix, Path(args.out))
     print(f"site: {index}")
     return 0
 

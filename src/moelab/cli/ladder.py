@@ -12,6 +12,8 @@ from moelab.config import load_config
 from moelab.errors import UsageError
 from moelab.ladder import DEFAULT_LAW, LAW_CHOICES
 
+FIT_ND_MIN_POINTS = 6  # five free parameters (E, A, B, alpha, beta) and one more
+
 
 def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
     import csv
@@ -23,21 +25,51 @@ def cmd_ladder_fit_nd(args: argparse.Namespace) -> int:
     path = Path(args.csv)
     if not path.is_file():
         raise UsageError(f"{path}: no such CSV file")
-    with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    for flag, col in (("--n-col", args.n_col), ("--flops-col", args.flops_col), ("--loss-col", args.loss_col)):
-        if not rows or col not in rows[0]:
-            raise UsageError(f"{path}: no column {col!r} ({flag}); columns: {', '.join(rows[0]) if rows else 'none'}")
+    if args.delta <= 0 or not np.isfinite(args.delta):
+        raise UsageError(f"--delta: the Huber delta must be a finite number > 0, got {args.delta}")
+    if args.exclude_top < 0:
+        raise UsageError(f"--exclude-top: must be >= 0, got {args.exclude_top}")
     try:
-        n = np.array([float(r[args.n_col]) for r in rows])
-        c = np.array([float(r[args.flops_col]) for r in rows])
-        loss = np.array([float(r[args.loss_col]) for r in rows])
-    except ValueError as exc:
-        raise UsageError(f"{path}: a value is not a number ({exc})") from None
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text; save the CSV as UTF-8") from None
+    except (OSError, csv.Error) as exc:
+        raise UsageError(f"{path}: cannot read it as CSV ({exc})") from None
+    if not rows:
+        raise UsageError(f"{path}: no rows of data under the header; one row per run (N, FLOPs, loss)")
+    for flag, col in (("--n-col", args.n_col), ("--flops-col", args.flops_col), ("--loss-col", args.loss_col)):
+        if col not in rows[0]:
+            raise UsageError(f"{path}: no column {col!r} ({flag}); columns: {', '.join(k for k in rows[0] if k)}")
+    values = {}
+    for col in (args.n_col, args.flops_col, args.loss_col):
+        out = []
+        for i, r in enumerate(rows, start=2):  # line 1 is the header
+            text = r.get(col)
+            if text is None or not str(text).strip():
+                raise UsageError(f"{path}: line {i} has no value in column {col!r}; every row needs all three")
+            try:
+                v = float(text)
+            except ValueError:
+                raise UsageError(f"{path}: line {i}, column {col!r}: {text!r} is not a number") from None
+            if not np.isfinite(v) or v <= 0:
+                raise UsageError(f"{path}: line {i}, column {col!r}: must be a finite number > 0, got {text.strip()}")
+            out.append(v)
+        values[col] = np.array(out)
+    n, c, loss = values[args.n_col], values[args.flops_col], values[args.loss_col]
     if args.exclude_top:
+        if len(loss) - args.exclude_top < FIT_ND_MIN_POINTS:
+            raise UsageError(f"--exclude-top: {args.exclude_top} of {len(loss)} points leaves fewer than "
+                             f"{FIT_ND_MIN_POINTS} to fit")  # fmt: skip
         keep = np.argsort(loss, kind="stable")[: len(loss) - args.exclude_top]
         n, c, loss = n[keep], c[keep], loss[keep]
-    fit = fit_chinchilla(n, c / (6 * n), loss, delta=args.delta, method=args.method)
+    d = c / (6 * n)
+    if len(loss) < FIT_ND_MIN_POINTS or len(np.unique(n)) < 3 or len(np.unique(d)) < 3:
+        raise UsageError(
+            f"{path}: {len(loss)} points at {len(np.unique(n))} model sizes and {len(np.unique(d))} token counts; "
+            f"the five-parameter law needs {FIT_ND_MIN_POINTS} or more points, at 3 or more of each"
+        )
+    fit = fit_chinchilla(n, d, loss, delta=args.delta, method=args.method)
     out = {
         "E": fit.E,
         "A": fit.A,
@@ -137,7 +169,7 @@ def cmd_ladder_backtest(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from moelab.monitor.health import check_run, ladder_trajectories
+    from moelab.monitor.health import check_run, forecast_problem, ladder_trajectories
     from moelab.train.record import load_run_config
 
     run = Path(args.run_dir)
@@ -146,7 +178,15 @@ def cmd_health(args: argparse.Namespace) -> int:
         forecast_path = Path(args.forecast)
         if not forecast_path.is_file():
             raise UsageError(f"{forecast_path}: no such forecast file")
-        forecast = json.loads(forecast_path.read_text())
+        try:
+            forecast = json.loads(forecast_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise UsageError(
+                f"{forecast_path}: not a forecast (not JSON); give a forecast.json that moelab wrote"
+            ) from None
+        problem = forecast_problem(forecast)
+        if problem:
+            raise UsageError(f"{forecast_path}: {problem}")
     else:  # the run's newest registered forecast, refused if it changed after it was registered
         from moelab.train.record import RunDir
 

@@ -36,6 +36,10 @@ def _train_config(args: argparse.Namespace):
     cfg = load_config(args.config, overrides)
     if args.data:
         cfg = replace(cfg, data={"sources": tuple(args.data)})
+    if cfg.check_vocab():
+        from moelab.errors import ConfigError
+
+        raise ConfigError(cfg.check_vocab())
     return cfg
 
 
@@ -84,8 +88,38 @@ def _join_job(args: argparse.Namespace) -> None:
     jax.distributed.initialize(coordinator, n, pid)
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """--out: a directory that holds this run (or nothing yet), and can be written."""
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {out} is a file, not a directory; choose a directory for the run")
+    is_run = (out / "config.json").is_file()
+    if args.resume and not is_run:
+        raise UsageError(f"--out: {out} holds no run to resume (no config.json); leave out --resume to start one")
+    if not args.resume and out.is_dir() and not is_run:
+        strangers = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        if strangers:
+            raise UsageError(
+                f"--out: {out} holds files that are not a run ({', '.join(strangers[:3])}"
+                f"{', ...' if len(strangers) > 3 else ''}); choose an empty or new directory"
+            )
+
+
+def _make_out(out: str) -> None:
+    from pathlib import Path
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot create {out} ({exc.strerror or exc}); choose a writable directory") from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.devices:
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+    if args.devices is not None:
         from moelab.parallel.mesh import MeshError, request_devices
 
         if args.devices < 1:
@@ -94,7 +128,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             request_devices(args.devices)  # before JAX loads
         except MeshError as exc:
             raise UsageError(str(exc)) from None
+    _check_out(args)
     cfg = _train_config(args)  # refuse a bad config before anything starts
+    _make_out(args.out)
     _join_job(args)
     if args.max_restarts:
         from moelab.train.supervise import supervise

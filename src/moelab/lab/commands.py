@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import runpy
 from pathlib import Path
 
@@ -18,12 +19,44 @@ def load_experiment(path: str | Path) -> Experiment:
         raise ExperimentError(f"{path}: no such experiment file")
     try:
         namespace = runpy.run_path(str(path))
+    except ExperimentError as exc:
+        raise ExperimentError(f"{path}: {exc}") from None
     except Exception as exc:
         raise ExperimentError(f"{path}: fails to load ({type(exc).__name__}: {exc})") from None
     exp = namespace.get("experiment")
     if not isinstance(exp, Experiment):
         raise ExperimentError(f"{path}: defines no `experiment = Experiment(...)`")
+    problem = prediction_problem(exp)
+    if problem:
+        raise ExperimentError(f"{path}: the prediction {problem}")
     return exp
+
+
+def prediction_problem(exp: Experiment) -> str | None:
+    """What makes the experiment's prediction unjudgeable, or None."""
+    p = exp.prediction
+    numbers = {
+        "value": p.value,
+        "low": p.low,
+        "high": p.high,
+        "falsify_low": p.falsify_low,
+        "falsify_high": p.falsify_high,
+    }
+    for k, v in numbers.items():
+        if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v)):
+            return f"{k}={v!r} is not a finite number"
+    if not p.low <= p.high:
+        return f"interval [{p.low:g}, {p.high:g}] has low above high"
+    if not p.low <= p.value <= p.high:
+        return f"value {p.value:g} is outside its own interval [{p.low:g}, {p.high:g}]"
+    lo, hi = p.bounds()
+    if lo > p.low or hi < p.high:
+        return f"falsification bounds [{lo:g}, {hi:g}] must hold the interval [{p.low:g}, {p.high:g}]"
+    step, sep, _ = p.metric.partition(":")
+    names = [s.name for s in exp.all_steps()]
+    if not sep or step not in names:
+        return f"metric {p.metric!r} names no step of the experiment (STEP:key.path; steps: {', '.join(names)})"
+    return None
 
 
 def dry_run(runner: Runner, flops_per_s: float | None = None) -> list[dict]:

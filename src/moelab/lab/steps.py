@@ -67,6 +67,13 @@ def train_step(
     if isinstance(config, Config):
         fields = {"resolved": versioned(to_dict(config)), "name": config.name}
     else:
+        from moelab.config import load_config
+        from moelab.errors import ConfigError, ExperimentError
+
+        try:  # refused when the experiment loads, before any step runs (and in --dry-run alike)
+            load_config(config, list(overrides))
+        except ConfigError as exc:
+            raise ExperimentError(f"step {name!r}: {'; '.join(exc.errors)}") from None
         fields = {"config": versioned(config), "overrides": versioned(list(overrides))}
     if forecast is not None:
         fields["forecast"] = versioned(forecast)

@@ -60,15 +60,33 @@ def load_ladder(path: str | Path) -> Ladder:
     if not path.is_file():
         raise ConfigError([f"{path}: no such ladder file"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError([f"{path}: not UTF-8 text; save the ladder as UTF-8"]) from None
     except yaml.YAMLError:
         raise ConfigError([f"{path}: is not valid YAML; fix the syntax"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a mapping of ladder fields, got {type(data).__name__}"])
     errors = [f"{path}: {k}: unknown key (known: {', '.join(FIELDS)})" for k in data if k not in FIELDS]
     for key in ("recipe", "widths", "head_dim", "layers"):
         if key not in data:
             errors.append(f"{path}: {key}: missing")
     if errors:
         raise ConfigError(errors)
+    for key, kind in (("widths", int), ("head_dim", int), ("layers", float), ("batch_size", int),
+                      ("kv_local_divisor", int), ("kv_global_divisor", int), ("expert_ratio", float),
+                      ("tokens_per_active_param", float), ("budget_flops", float), ("target_width", int)):  # fmt: skip
+        value = data.get(key)
+        values = value if isinstance(value, list) else [value]
+        if key == "widths" and not isinstance(value, list):
+            raise ConfigError([f"{path}: widths: a list of model widths, got {value!r}"])
+        for v in values:
+            if v is None and key not in ("widths", "head_dim", "layers"):
+                continue
+            try:
+                kind(v)
+            except (TypeError, ValueError):
+                raise ConfigError([f"{path}: {key}: {v!r} is not a number"]) from None
     widths = tuple(int(w) for w in data["widths"])
     layers = data["layers"]
     layers = tuple(int(x) for x in layers) if isinstance(layers, list) else float(layers)

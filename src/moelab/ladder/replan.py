@@ -14,11 +14,12 @@ so a resumed run follows the new plan.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 
-from moelab.config import config_from_dict, config_hash, load_config, to_dict
+from moelab.config import config_hash, load_config, to_dict
 from moelab.errors import ReplanError
 from moelab.train.schedule import parse_replans, phase_boundaries  # noqa: F401 - the replan's own terms
 
@@ -29,6 +30,9 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+MAX_STEPS = 2**31 - 1  # the step counter is an int32 in the optimiser's state
 
 
 def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | None = None) -> dict:
@@ -45,9 +49,17 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
         raise ReplanError(f"{run.path}: no config.json; is this a training run directory?")
     if not reason.strip():
         raise ReplanError("--reason: say why the horizon changes; it goes into the run's record")
-    saved = json.loads(run.config.read_text())
-    cfg = config_from_dict(saved["config"], source=str(run.config))
+    from moelab.train.record import load_run_config
+
+    cfg = load_run_config(run.path)
     per_step = cfg.train.batch_size * cfg.model.seq_len
+    if not math.isfinite(tokens) or tokens <= 0:
+        raise ReplanError(f"--tokens: must be a finite number of tokens > 0, got {tokens}")
+    if tokens / per_step >= MAX_STEPS:
+        raise ReplanError(
+            f"--tokens: {tokens:.6g} tokens is {tokens / per_step:.3g} steps of {per_step} tokens, beyond the "
+            f"{MAX_STEPS:,} steps a run can count; give fewer"
+        )
     new_steps = int(round(tokens / per_step))
     done = checkpoint.steps(run.ckpt)
     at = done[-1] if done else 0

@@ -367,6 +367,23 @@ class HealthMonitor:
             )
 
 
+def forecast_problem(fc) -> str | None:
+    """What keeps ``fc`` from being a forecast the band check can read, or None."""
+    if not isinstance(fc, dict):
+        return f"not a forecast (a JSON {type(fc).__name__}, not an object)"
+    missing = [k for k in ("steps", "loss", "low", "high") if not isinstance(fc.get(k), list)]
+    if missing:
+        return f"not a forecast: no list {', '.join(repr(k) for k in missing)}; give a forecast.json that moelab wrote"
+    if len({len(fc[k]) for k in ("steps", "loss", "low", "high")}) != 1 or not fc["steps"]:
+        return "not a forecast: 'steps', 'loss', 'low' and 'high' must be lists of one and the same length"
+    try:
+        if any(not (lo <= hi) for lo, hi in zip(fc["low"], fc["high"], strict=True)):
+            return "not a forecast: a band whose low is above its high"
+    except TypeError:
+        return "not a forecast: the band holds values that are not numbers"
+    return None
+
+
 def ladder_from_forecast(forecast: dict | None) -> LadderTrajectories | None:
     """The trajectories of the rungs a forecast was made from, when they are all still there."""
     from pathlib import Path

@@ -7,6 +7,7 @@ so a run resumed from a checkpoint writes exactly what the uninterrupted run wou
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -18,10 +19,10 @@ import jax
 import numpy as np
 
 from moelab import accounting
-from moelab.config import Config, config_from_dict, config_hash, to_dict
+from moelab.config import Config, config_hash, to_dict
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
-from moelab.errors import RunError, RunRefused  # noqa: F401 - raised here, importable from here
+from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.monitor.faults import Injector
 from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.parallel import mesh as pmesh
@@ -33,6 +34,7 @@ from moelab.train.record import (
     enable_compile_cache,
     git_state,
     host,
+    load_run_config,
     matmul_peak,
     read_jsonl,
     versions,
@@ -73,8 +75,8 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
         return cfg
     if not resume:
         raise RunRefused(f"{run.path}: already holds a run; pass --resume to continue it, or choose another --out")
+    ours = load_run_config(run.path)  # refuses a config.json that is not one, in one line
     saved = json.loads(run.config.read_text())
-    ours = config_from_dict(saved["config"], source=str(run.config))
     if cfg is None or saved["hash"] == config_hash(cfg):
         return ours
     old, new = saved["config"], json.loads(json.dumps(to_dict(cfg)))  # tuples as the file's lists
@@ -183,6 +185,8 @@ def train(
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
     cfg = _check_resume(run, cfg, resume)
+    if cfg.check_vocab():
+        raise ConfigError(cfg.check_vocab())
     job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
     job.prepare_data()
     job.build_or_restore(resume)
@@ -461,9 +465,14 @@ def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:
             final_loss=train_recs[-1]["loss"],
             dropped_frac=float(np.mean([r["dropped_frac"] for r in tail])),
             spilled_frac=float(np.mean([r["spilled_frac"] for r in tail])),
-            tokens_per_s=float(np.nanmedian([r["tokens_per_s"] for r in tail])),
-            mfu=float(np.nanmedian([r["mfu"] for r in tail])),
         )
+        # steady-state speed: the steps that did not compile (none in a run of a step or two)
+        timed = [r for r in tail if math.isfinite(r.get("tokens_per_s", math.nan))] or [
+            r for r in train_recs if math.isfinite(r.get("tokens_per_s", math.nan))
+        ]
+        if timed:
+            out["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in timed]))
+            out["mfu"] = float(np.median([r["mfu"] for r in timed]))
     if eval_recs:
         out["first_eval"] = {"loss": eval_recs[0]["loss"], "bpb": eval_recs[0]["bpb"]}
         out["final_eval"] = {k: eval_recs[-1][k] for k in ("loss", "bpb", "loss_dropless", "bpb_dropless")}

@@ -209,6 +209,13 @@ def enable_compile_cache() -> None:
 def load_run_config(run_dir: str | Path) -> Config:
     """A run directory's config.json, or RunRefused naming the directory."""
     run = RunDir(run_dir)
-    if not run.config.exists():
+    if not run.config.is_file():
         raise RunRefused(f"{run_dir}: no config.json; is this a run directory?")
-    return config_from_dict(json.loads(run.config.read_text())["config"], source=str(run.config))
+    try:
+        saved = json.loads(run.config.read_text(encoding="utf-8"))
+        data = saved["config"]
+    except (ValueError, KeyError, TypeError):
+        raise RunRefused(
+            f"{run.config}: not a run's config (truncated or edited?); restore it, or train the run again"
+        ) from None
+    return config_from_dict(data, source=str(run.config))

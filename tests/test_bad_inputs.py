@@ -1,0 +1,225 @@
+"""Bad input across every subcommand: one line on stderr that names the input, exit code 2, and
+nothing left behind that looks like a run (no file written or changed under the case's directory or
+the trained run it points at)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import MICRO, write_experiment
+from moelab.cli import main
+
+BAD_FILES = {
+    "list.yaml": "- a\n- b\n",
+    "bad.yaml": "model: [unclosed\n",
+    "unknown.yaml": "model:\n  no_such_field: 1\n",
+    "nan.csv": "N,C,loss\n1e6,1e18,nan\n2e6,2e18,3.0\n",
+    "inf.csv": "N,C,loss\n1e6,1e18,inf\n",
+    "negn.csv": "N,C,loss\n-1e6,1e18,3\n",
+    "c0.csv": "N,C,loss\n1e6,0,3\n",
+    "short.csv": "N,C,loss\n1e6,1e18\n",
+    "text.csv": "N,C,loss\n1e6,1e18,abc\n",
+    "header.csv": "N,C,loss\n",
+    "three.csv": "N,C,loss\n1e6,1e18,3\n2e6,4e18,2.9\n4e6,1.6e19,2.8\n",
+    "same.csv": "N,C,loss\n" + "1e6,1e18,3\n" * 7,
+    "good.csv": "N,C,loss\n" + "".join(f"{n},{n * t * 6},{2 + 1 / (n * t) ** 0.1}\n" for n in (1e6, 2e6, 4e6) for t in (10, 20, 40)),
+    "badfc.json": '{"not": "a forecast"',
+    "badfc2.json": '{"law": "x"}',
+    "bandfc.json": '{"steps": [1, 2], "loss": [3, 3], "low": [3.5, 2], "high": [2.5, 4]}',
+    "listfc.json": "[1, 2, 3]",
+    "broken_exp.py": "this is not python(\n",
+    "noexp.py": "x = 1\n",
+    "nope_ladder.yaml": "name: x\nrecipe: tiny\nwidths: [a, b]\nhead_dim: 32\nlayers: [2]\n",
+}  # fmt: skip
+BINARY = {"latin.yaml": b"\xff\xfe\x00bad", "latin.csv": b"N,C,loss\n\xff\xfe,1,2\n"}
+
+
+@pytest.fixture(scope="module")
+def env(corpus, tmp_path_factory):
+    """A trained micro run, a copy whose config.json is cut short, and the bad files."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    files = root / "files"
+    files.mkdir()
+    for name, text in BAD_FILES.items():
+        (files / name).write_text(text)
+    for name, data in BINARY.items():
+        (files / name).write_bytes(data)
+    (files / "adir").mkdir()
+    (files / "afile").write_text("a file")
+    run = root / "run"
+    sets = [x for kv in MICRO for x in ("--set", kv)]
+    args = ["train", "tiny", *sets, "--steps", "6", "--data", corpus["code"], "--out", str(run), "--quiet"]
+    assert main([*args, "--set", "train.checkpoint_every=3"]) == 0
+    trunc = root / "trunc"
+    trunc.mkdir()
+    (trunc / "config.json").write_text((run / "config.json").read_text()[:100])
+    for name, (low, high, metric) in {
+        "exp41_inverted.py": (3.1, 2.9, "c:value"),
+        "exp42_nostep.py": (2.9, 3.1, "nowhere:value"),
+        "exp43_outside.py": (3.5, 3.6, "c:value"),
+    }.items():
+        text = write_experiment(files / name).read_text()
+        text = text.replace("low=2.9, high=3.1", f"low={low}, high={high}").replace(
+            'metric="c:value"', f"metric={metric!r}"
+        )
+        (files / name).write_text(text)
+    (files / "exp44_override.py").write_text(
+        "from moelab.lab import Experiment, Prediction, output_of\nfrom moelab.lab.steps import train_step\n"
+        "t = train_step('t', 'tiny', ['model.top_k=100'])\n"
+        "experiment = Experiment(issue=44, slug='override', title='t', goal='g', hypothesis='h',\n"
+        "    prediction=Prediction(metric='t:final_loss', value=1, low=0, high=2), steps=[t])\n"
+    )
+    return {"root": root, "files": files, "run": run, "trunc": trunc}
+
+
+# (arguments, what the line must name); {f}: the bad files, {t}: this case's own directory,
+# {run}: the trained run, {trunc}: a run whose config.json is cut short
+CASES = [
+    # configs
+    ("train {f}/list.yaml --out {t}/o", "list.yaml"),
+    ("train {f}/latin.yaml --out {t}/o", "latin.yaml"),
+    ("train {f}/adir --out {t}/o", "adir"),
+    ("train {f}/bad.yaml --out {t}/o", "bad.yaml"),
+    ("train {f}/unknown.yaml --out {t}/o", "no_such_field"),
+    ("train no-such-preset --out {t}/o", "no-such-preset"),
+    ("train tiny --set nosection.x=1 --out {t}/o", "nosection"),
+    ("train tiny --set model.d_model=abc --out {t}/o", "model.d_model"),
+    ("train tiny --set garbage --out {t}/o", "garbage"),
+    ("train tiny --set train.steps=0 --out {t}/o", "train.steps"),
+    ("train tiny --set train.lr=-1 --out {t}/o", "train.lr"),
+    ("train tiny --set train.warmup_frac=1.5 --out {t}/o", "train.warmup_frac"),
+    ("train tiny --set model.top_k=100 --out {t}/o", "model.top_k"),
+    ("train tiny --set model.vocab_size=100 --out {t}/o", "model.vocab_size"),
+    ("train tiny --set model.vocab_size=1 --out {t}/o", "model.vocab_size"),
+    ("train tiny --set data.text_field= --out {t}/o", "data.text_field"),
+    ("train tiny --seed -1 --out {t}/o", "train.seed"),
+    ("train tiny --steps x --out {t}/o", "--steps"),
+    ("train tiny --inject lr_spike@-1 --out {t}/o", "lr_spike@-1"),
+    ("train tiny --inject nope@5 --out {t}/o", "nope@5"),
+    ("train tiny --inject lr_spike@x --out {t}/o", "lr_spike@x"),
+    # where the run goes
+    ("train tiny --out /proc/moelab-nope", "--out"),
+    ("train tiny --out {f}/afile", "--out"),
+    ("train tiny --resume --out {t}/empty", "--out"),
+    ("train tiny --resume --out {t}/missing", "--out"),
+    ("train tiny --out {t}/stranger", "--out"),
+    ("train tiny --resume --out {t}/stranger", "--out"),
+    ("train tiny --out {run}", "--resume"),
+    ("train --out {t}/o", "config"),
+    ("train --resume --out {trunc}", "config.json"),
+    ("train tiny --devices 0 --out {t}/o", "--devices"),
+    ("train tiny --max-restarts -1 --out {t}/o", "--max-restarts"),
+    # config and flops
+    ("config tiny --set train.seed=-1", "train.seed"),
+    ("config tiny --set data.text_field=", "data.text_field"),
+    ("config no-such-preset", "no-such-preset"),
+    ("flops tiny --steps -5", "--steps"),
+    ("flops tiny --tokens -1", "--tokens"),
+    ("flops tiny --tokens 5 --steps 3", "--tokens"),
+    # ladder fit-nd
+    ("ladder fit-nd {f}/nan.csv --n-col N --flops-col C --loss-col loss", "nan.csv"),
+    ("ladder fit-nd {f}/inf.csv --n-col N --flops-col C --loss-col loss", "inf.csv"),
+    ("ladder fit-nd {f}/negn.csv --n-col N --flops-col C --loss-col loss", "negn.csv"),
+    ("ladder fit-nd {f}/c0.csv --n-col N --flops-col C --loss-col loss", "c0.csv"),
+    ("ladder fit-nd {f}/short.csv --n-col N --flops-col C --loss-col loss", "short.csv"),
+    ("ladder fit-nd {f}/text.csv --n-col N --flops-col C --loss-col loss", "text.csv"),
+    ("ladder fit-nd {f}/header.csv --n-col N --flops-col C --loss-col loss", "header.csv"),
+    ("ladder fit-nd {f}/three.csv --n-col N --flops-col C --loss-col loss", "three.csv"),
+    ("ladder fit-nd {f}/same.csv --n-col N --flops-col C --loss-col loss", "same.csv"),
+    ("ladder fit-nd {f}/latin.csv --n-col N --flops-col C --loss-col loss", "latin.csv"),
+    ("ladder fit-nd {f}/missing.csv --n-col N --flops-col C --loss-col loss", "missing.csv"),
+    ("ladder fit-nd {f}/good.csv --n-col params --flops-col C --loss-col loss", "params"),
+    ("ladder fit-nd {f}/good.csv --n-col N --flops-col C --loss-col loss --exclude-top -3", "--exclude-top"),
+    ("ladder fit-nd {f}/good.csv --n-col N --flops-col C --loss-col loss --exclude-top 100", "--exclude-top"),
+    ("ladder fit-nd {f}/good.csv --n-col N --flops-col C --loss-col loss --delta -1", "--delta"),
+    ("ladder fit-nd {f}/good.csv --n-col N --flops-col C --loss-col loss --delta nan", "--delta"),
+    # other ladder commands
+    ("ladder plan {f}/missing.yaml", "missing.yaml"),
+    ("ladder plan {f}/nope_ladder.yaml", "nope_ladder.yaml"),
+    ("ladder backtest --ladder {run} --target {run}", "--ladder"),
+    ("ladder forecast --ladder {t}/missing --target tiny --out {t}/fc.json", "missing"),
+    # health and eval
+    ("health {run} --forecast {f}/badfc.json", "badfc.json"),
+    ("health {run} --forecast {f}/badfc2.json", "badfc2.json"),
+    ("health {run} --forecast {f}/bandfc.json", "bandfc.json"),
+    ("health {run} --forecast {f}/listfc.json", "listfc.json"),
+    ("health {run} --forecast {f}/latin.yaml", "latin.yaml"),
+    ("health {run} --forecast {f}/missing.json", "missing.json"),
+    ("health {run} --ladder {t}/missing", "--ladder"),
+    ("health {t}/nonexist", "nonexist"),
+    ("health {trunc}", "config.json"),
+    ("eval {trunc}", "config.json"),
+    ("eval {t}/nonexist", "nonexist"),
+    ("eval {run} --checkpoint 999", "999"),
+    # replan
+    ("replan {run} --tokens nan --reason x", "--tokens"),
+    ("replan {run} --tokens inf --reason x", "--tokens"),
+    ("replan {run} --tokens 1e300 --reason x", "--tokens"),
+    ("replan {run} --tokens -5 --reason x", "--tokens"),
+    ("replan {run} --tokens 10 --reason x", "--tokens"),
+    ("replan {run} --tokens 100000 --reason  ", "--reason"),
+    ("replan {trunc} --tokens 100000 --reason x", "config.json"),
+    # the lab
+    ("run {f}/missing_exp.py", "missing_exp.py"),
+    ("run {f}/broken_exp.py", "broken_exp.py"),
+    ("run {f}/noexp.py", "noexp.py"),
+    ("run {f}/exp41_inverted.py --prefix {t}/lab", "low above high"),
+    ("run {f}/exp42_nostep.py --prefix {t}/lab", "nowhere"),
+    ("run {f}/exp43_outside.py --prefix {t}/lab", "outside its own interval"),
+    ("run {f}/exp44_override.py --prefix {t}/lab", "model.top_k"),
+    ("run {f}/exp44_override.py --prefix {t}/lab --dry-run", "model.top_k"),
+    ("issue {f}/broken_exp.py", "broken_exp.py"),
+    ("report --prefix /nonexistent-moelab --out {t}/site", "--prefix"),
+]
+
+
+def call(args: list[str]) -> int:
+    """main(), with argparse's own exit (a usage error) as its code."""
+    try:
+        return main(args)
+    except SystemExit as exc:
+        return exc.code
+
+
+def snapshot(*roots: Path) -> dict:
+    """Every file under the roots, with its size and modification time (directories alone do not count)."""
+    out = {}
+    for root in roots:
+        if root.is_dir():
+            for p in root.rglob("*"):
+                if p.is_file():
+                    st = p.stat()
+                    out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("argv,names", CASES, ids=[c[0].split(" {")[0] + f" #{i}" for i, c in enumerate(CASES)])
+def test_bad_input_gets_one_line_and_exit_2_and_leaves_nothing(env, tmp_path, capsys, monkeypatch, argv, names):
+    monkeypatch.setenv("LAB_COUNTS", str(tmp_path))  # what the chain experiments' steps need to load
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "stranger").mkdir()
+    (tmp_path / "stranger" / "notes.txt").write_text("mine")
+    fields = {"f": env["files"], "t": tmp_path, "run": env["run"], "trunc": env["trunc"]}
+    args = [a.format(**fields) for a in argv.split(" ")]
+    if args[-1] == "" and "--reason" in args:  # "--reason  ": an empty reason
+        args = args[:-1]
+    before = snapshot(tmp_path, env["run"], env["trunc"])
+    code = call(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (argv, code, err[-2000:])
+    assert len(lines) == 1, (argv, err[-2000:])
+    assert names in lines[0], (argv, lines[0])
+    assert "Traceback" not in err
+    assert snapshot(tmp_path, env["run"], env["trunc"]) == before, argv  # nothing written, nothing changed
+
+
+def test_the_table_is_wide(env):
+    """At least 60 cases over every subcommand that reads input."""
+    assert len(CASES) >= 60
+    commands = {c[0].split(" ")[0] for c in CASES}
+    assert {"train", "config", "flops", "ladder", "health", "eval", "replan", "run", "issue", "report"} <= commands
+    assert json.loads((env["run"] / "config.json").read_text())["config"]["train"]["steps"] == 6
