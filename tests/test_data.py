@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -288,3 +289,62 @@ def test_cheaders_on_this_machine_is_not_python():
         by_domain.setdefault(domain, []).append(path)
         assert path.suffix != ".py" and "python" not in str(path.relative_to(root)).lower()
     assert set(by_domain) == set(S.CHEADERS_DOMAINS)
+
+
+def _decoded(store, domain: str, split: str) -> str:
+    tok = store.tokenizer()
+    ids = [int(i) for i in store.stream(domain, split) if int(i) != store.eot]
+    return tok.decode(ids)
+
+
+def test_one_document_is_cut_by_position_so_part_of_it_is_held_out(corpus, tmp_path):
+    """A corpus that is one document (a book, a dump): cut into pieces in order; the pieces held
+    out and those trained on together give back the whole text, and neither side is empty."""
+    text = Path(corpus["code"], "textwrap.py").read_text() * 3
+    book = tmp_path / "book.jsonl"
+    book.write_text(json.dumps({"text": text}) + "\n")
+    cfg = load_config("tiny", [f"data.sources=[{book}]", "model.vocab_size=512"])
+    store = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    docs = [json.loads(x) for x in (store.path / "documents.jsonl").read_text().splitlines()]
+    assert store_mod.SINGLE_DOC_PIECES <= len(docs) <= 2 * store_mod.SINGLE_DOC_PIECES  # cut after newlines
+    pieces = sorted(docs, key=lambda d: int(d["id"].rsplit("#", 1)[1]))
+    tok = store.tokenizer()
+    joined = "".join(
+        tok.decode([int(i) for i in store.tokens[d["start"] : d["start"] + d["tokens"]] if int(i) != store.eot])
+        for d in pieces
+    )
+    assert joined == text  # nothing lost, nothing doubled, in order
+    assert store.manifest["stats"]["book"]["heldout"]["documents"] >= 1
+    assert store.manifest["stats"]["book"]["train"]["documents"] >= 1
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": "too short to split"}) + "\n")
+    with pytest.raises(S.DataError, match=r"tiny.jsonl.*too little text"):
+        build_store(load_config("tiny", [f"data.sources=[{tiny}]"]).data, 512, cache=tmp_path / "c2", progress=False)
+
+
+def test_a_long_document_is_cut_into_pieces_at_line_ends(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod, "MAX_PIECE_CHARS", 4000)
+    long = Path(corpus["code"], "textwrap.py").read_text()
+    pieces = list(store_mod._pieces(S.Document("d", "x", long), 4000))
+    assert len(pieces) >= len(long) // 4000 and "".join(p.text for p in pieces) == long
+    assert all(len(p.text) <= 4000 for p in pieces) and all(p.text.endswith("\n") for p in pieces[:-1])
+    assert [p.doc_id for p in pieces[:2]] == ["x#0", "x#1"]
+    cfg = data_cfg(corpus)
+    store = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
+    ids = [json.loads(x)["id"] for x in (store.path / "documents.jsonl").read_text().splitlines()]
+    assert any(i.endswith("#1") for i in ids)  # the longer library files were cut
+
+
+def test_an_interrupted_build_is_cleaned_up_by_the_next(corpus, tmp_path):
+    import subprocess as sp
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = sp.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = cache / f".tmp-store-abc-{dead.pid}"
+    (stale / "x").mkdir(parents=True)
+    live = cache / f".tmp-store-abc-{os.getpid()}"  # a build still running (this process)
+    live.mkdir()
+    build_store(data_cfg(corpus).data, 512, cache=cache, progress=False)
+    assert not stale.exists() and live.exists()

@@ -115,47 +115,139 @@ def store_key(cfg: DataConfig, vocab_size: int, srcs: list[S.Source]) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _collect(srcs: list[S.Source], cfg: DataConfig) -> dict[str, list[S.Document]]:
-    docs: dict[str, list[S.Document]] = {d: [] for s in srcs for d in s.domains}
-    size = dict.fromkeys(docs, 0)
+MAX_PIECE_CHARS = 1 << 20  # a longer document is cut into pieces at line ends, so nothing holds all of it
+SINGLE_DOC_PIECES = 20  # a domain of one document is cut into this many pieces, by position
+MIN_PIECE_CHARS = 256  # ... each at least this long
+TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
+ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call while encoding (an Encoding holds ~100 bytes a token)
+
+
+def _pieces(doc: S.Document, size: int):
+    """``doc``, or its pieces of at most ``size`` characters cut after a newline where one is near."""
+    text = doc.text
+    if len(text) <= size:
+        yield doc
+        return
+    start, k = 0, 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            nl = text.rfind("\n", start + size // 2, end)
+            end = nl + 1 if nl != -1 else end
+        yield S.Document(doc.domain, f"{doc.doc_id}#{k}", text[start:end])
+        start, k = end, k + 1
+
+
+def _documents(srcs: list[S.Source], cfg: DataConfig, domain: str | None = None, piece: dict | None = None):
+    """The documents the store holds, in order: non-empty, within ``data.max_bytes_per_domain``
+    (whole documents counted), cut into pieces; those of ``domain`` only when it is given. Each
+    pass reads the sources again, so nothing but the current document is held."""
+    piece = piece or {}
     for src in srcs:
+        if domain is not None and domain not in src.domains:
+            continue
+        size = dict.fromkeys(src.domains, 0)
         for doc in S.iter_documents(src, cfg.text_field):
+            if domain is not None and doc.domain != domain:
+                continue
             if not doc.text.strip():
                 continue
             if cfg.max_bytes_per_domain and size[doc.domain] >= cfg.max_bytes_per_domain:
                 continue
-            docs[doc.domain].append(doc)
             size[doc.domain] += len(doc.text.encode("utf-8"))
+            yield from _pieces(doc, piece.get(doc.domain, MAX_PIECE_CHARS))
+
+
+def _index(srcs: list[S.Source], cfg: DataConfig) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Each domain's document ids in order, and the piece size per domain (a domain of one document
+    is cut by position, so that part of it can be held out)."""
+    ids: dict[str, list[str]] = {d: [] for s in srcs for d in s.domains}
+    chars = dict.fromkeys(ids, 0)
+    for doc in _documents(srcs, cfg):
+        ids[doc.domain].append(doc.doc_id)
+        chars[doc.domain] += len(doc.text)
+    piece = {}
+    for d, n in ids.items():
+        if len(n) < 2 and chars[d] >= 2 * MIN_PIECE_CHARS:
+            piece[d] = max(MIN_PIECE_CHARS, -(-chars[d] // SINGLE_DOC_PIECES))
+    if piece:
+        for d in piece:
+            ids[d] = [doc.doc_id for doc in _documents(srcs, cfg, d, piece)]
     for src in srcs:
         for d in src.domains:
-            if len(docs[d]) < 2:
-                raise S.DataError(f"{src.spec}: domain {d!r} has {len(docs[d])} non-empty documents; need 2 or more")
-    return docs
+            if len(ids[d]) < 2:
+                raise S.DataError(
+                    f"{src.spec}: domain {d!r} has {len(ids[d])} non-empty documents, too little text to hold "
+                    f"part out ({chars[d]} characters; need {2 * MIN_PIECE_CHARS} or more)"
+                )
+    return ids, piece
 
 
-def _split(domain: str, docs: list[S.Document], fraction: float) -> tuple[list, list]:
-    held = [S.is_held_out(domain, d.doc_id, fraction) for d in docs]
+def _split(domain: str, ids: list[str], fraction: float) -> list[bool]:
+    """Which documents are held out: a hash of each name, and at least one on each side."""
+    held = [S.is_held_out(domain, i, fraction) for i in ids]
     if not any(held):  # every domain keeps at least one document out of training
-        held[min(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].doc_id.encode()).digest())] = True
+        held[min(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).digest())] = True
     if all(held):
         held[0] = False
-    return [d for d, h in zip(docs, held, strict=True) if not h], [d for d, h in zip(docs, held, strict=True) if h]
+    return held
 
 
-def _encode(tok, docs: list[S.Document], eot: int, bar) -> tuple[list[np.ndarray], list[int]]:
-    arrays, counts = [], []
-    for i in range(0, len(docs), 256):
-        chunk = docs[i : i + 256]
-        for enc in tok.encode_batch([d.text for d in chunk]):
-            ids = np.asarray(enc.ids + [eot], np.uint32)
-            arrays.append(ids)
-            counts.append(len(ids))
-        bar.update(len(chunk))
-    return arrays, counts
+def _encode(tok, texts: list[str], eot: int) -> list[np.ndarray]:
+    return [np.asarray(enc.ids + [eot], np.uint32) for enc in tok.encode_batch_fast(texts)]
+
+
+def _encode_domain(tok, docs, held: dict, eot: int, dtype, train_out, held_out, bar) -> dict[str, list]:
+    """Encode one domain's documents in batches of bounded text, each to its split's file as it
+    comes; per split, (id, tokens, bytes) of each document in order."""
+    counts: dict[str, list] = {"train": [], "heldout": []}
+    batch: list[S.Document] = []
+    chars = 0
+
+    def flush():
+        for doc, arr in zip(batch, _encode(tok, [x.text for x in batch], eot), strict=True):
+            split = "heldout" if held[doc.doc_id] else "train"
+            arr.astype(dtype).tofile(held_out if split == "heldout" else train_out)
+            counts[split].append((doc.doc_id, len(arr), len(doc.text.encode("utf-8"))))
+        bar.update(len(batch))
+        batch.clear()
+
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc.text)
+        if chars >= ENCODE_BATCH_CHARS or len(batch) >= 256:
+            flush()
+            chars = 0
+    if batch:
+        flush()
+    return counts
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        import sys
+
+        print(f"moelab: {text}", file=sys.stderr, flush=True)
+
+
+def _clean_stale(root: Path) -> None:
+    """Temporary stores of builds whose process is gone (killed, out of memory) are removed."""
+    for tmp in root.glob(".tmp-store-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
 
 
 def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, progress: bool = True) -> TokenStore:
-    """Load the store for these inputs, building it first if there is none that is complete."""
+    """Load the store for these inputs, building it first if there is none that is complete.
+
+    The build streams: the sources are read once to index the documents, once per domain to train
+    the tokenizer and once per domain to encode, and tokens go to disk as they come, so memory does
+    not grow with the corpus (a document longer than MAX_PIECE_CHARS is cut into pieces)."""
     from tqdm import tqdm
 
     srcs = S.resolve(cfg.sources)
@@ -165,44 +257,71 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
     if (final / "manifest.json").exists():
         return open_store(final)
     root.mkdir(parents=True, exist_ok=True)
+    _clean_stale(root)
     tmp = root / f".tmp-store-{key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     try:
-        docs = _collect(srcs, cfg)
-        splits = {d: _split(d, ds, cfg.held_out_fraction) for d, ds in docs.items()}
+        _say(progress, f"indexing the documents of {', '.join(cfg.sources)}")
+        ids, piece = _index(srcs, cfg)
+        held = {d: dict(zip(i, _split(d, i, cfg.held_out_fraction), strict=True)) for d, i in ids.items()}
         if cfg.tokenizer:
             tok = load_tokenizer(cfg.tokenizer, vocab_size)
         else:
-            tok = train_tokenizer([d.text for tr, _ in splits.values() for d in tr], vocab_size)
+            _say(
+                progress,
+                f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the training documents",
+            )
+
+            share = TOKENIZER_CHARS // len(ids)
+
+            def texts():
+                for d in ids:  # each domain's training documents in order, up to its share
+                    seen = 0
+                    for doc in _documents(srcs, cfg, d, piece):
+                        if seen >= share:
+                            break
+                        if not held[d][doc.doc_id]:
+                            yield doc.text
+                            seen += len(doc.text)
+
+            tok = train_tokenizer(texts(), vocab_size)
         eot = tok.token_to_id(EOT)
         tmp.mkdir(parents=True)
         tok.save(str(tmp / "tokenizer.json"))
-        total_docs = sum(len(v) for v in docs.values())
-        spans, manifest_docs, pieces, offset = {}, [], [], 0
-        with tqdm(total=total_docs, desc="tokenizing", unit="doc", disable=None if progress else True) as bar:
-            for domain, (train, held) in splits.items():
+        dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+        total_docs = sum(len(v) for v in ids.values())
+        spans, manifest_docs, offset = {}, [], 0
+        with (
+            tqdm(total=total_docs, desc="tokenizing", unit="doc", disable=None if progress else True) as bar,
+            open(tmp / "tokens.bin", "wb") as out,
+        ):
+            for domain in ids:
+                # the held-out documents go after the domain's training ones: kept apart until then
+                side = tmp / f"heldout-{len(spans)}.bin"
+                with open(side, "wb") as held_out:
+                    counts = _encode_domain(
+                        tok, _documents(srcs, cfg, domain, piece), held[domain], eot, dtype, out, held_out, bar
+                    )
+                with open(side, "rb") as fh:
+                    shutil.copyfileobj(fh, out, 16 << 20)
+                side.unlink()
                 spans[domain] = {}
-                for split, group in (("train", train), ("heldout", held)):
-                    arrays, counts = _encode(tok, group, eot, bar)
+                for split in ("train", "heldout"):
                     start = offset
-                    for doc, n in zip(group, counts, strict=True):
+                    for doc_id, n, nbytes in counts[split]:
                         manifest_docs.append(
                             {
                                 "domain": domain,
                                 "split": split,
-                                "id": doc.doc_id,
+                                "id": doc_id,
                                 "start": offset,
                                 "tokens": n,
-                                "bytes": len(doc.text.encode("utf-8")),
+                                "bytes": nbytes,
                             }
                         )
                         offset += n
-                    pieces.extend(arrays)
                     spans[domain][split] = [start, offset]
-        dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-        tokens = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-        tokens.tofile(tmp / "tokens.bin")
         np.save(tmp / "byte_lengths.npy", token_byte_lengths(tok))
         with open(tmp / "documents.jsonl", "w") as fh:
             for d in manifest_docs:
@@ -227,7 +346,7 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
             "spans": spans,
             "stats": stats,
             "dtype": np.dtype(dtype).name,
-            "n_tokens": int(tokens.size),
+            "n_tokens": int(offset),
             "vocab_size": tok.get_vocab_size(),
             "eot": eot,
             "held_out_fraction": cfg.held_out_fraction,
