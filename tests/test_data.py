@@ -99,8 +99,8 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
     empty.mkdir()
     latin = tmp_path / "latin"
     latin.mkdir()
-    (latin / "ok.txt").write_text("fine text")
     (latin / "bad.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (latin / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
     notjson = tmp_path / "notjson.jsonl"
     notjson.write_text('{"text": "a"}\n{"text": "b"}\nnot json\n')
     nofield = tmp_path / "nofield.jsonl"
@@ -109,8 +109,8 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
     data = (tmp_path / "whole.parquet").read_bytes()
     (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
     return [
-        (str(empty), f"{empty}: no text files"),
-        (str(latin), f"{latin / 'bad.txt'}: not valid UTF-8"),
+        (str(empty), f"{empty}: no UTF-8 text files among 0 files"),
+        (str(latin), f"{latin}: no UTF-8 text files among 2 files (2 binary or not UTF-8: bad.txt, image.png)"),
         (str(notjson), f"{notjson}:3: not valid JSON"),
         (str(nofield), f"{nofield}:2: no 'text' field"),
         (str(tmp_path / "cut.parquet"), f"{tmp_path / 'cut.parquet'}: not a readable parquet file"),
@@ -348,3 +348,36 @@ def test_an_interrupted_build_is_cleaned_up_by_the_next(corpus, tmp_path):
     live.mkdir()
     build_store(data_cfg(corpus).data, 512, cache=cache, progress=False)
     assert not stale.exists() and live.exists()
+
+
+def test_a_directory_source_reads_every_text_file_by_content_and_takes_globs(tmp_path):
+    """Perl, Rust, Go and files without a suffix are text; a binary and a Latin-1 file are left out
+    (and named); hidden paths are skipped; data.include and data.exclude choose files."""
+    code = tmp_path / "polyglot"
+    (code / "src").mkdir(parents=True)
+    (code / ".git").mkdir()
+    files = {"a.pl": "print 'hi';\n", "src/b.rs": "fn main() {}\n", "src/c.go": "package main\n", "Makefile": "all:\n"}
+    for name, text in files.items():
+        (code / name).write_text(text)
+    (code / ".git" / "config").write_text("[core]\n")
+    (code / "blob.bin").write_bytes(b"\x7fELF\0\0\0\x01 valid UTF-8, but binary")
+    (code / "old.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (src,) = S.resolve([str(code)])
+    skipped: list = []
+    docs = {d.doc_id: d.text for d in S.iter_documents(src, skipped=skipped)}
+    assert docs == {
+        "Makefile": "all:\n",
+        "a.pl": "print 'hi';\n",
+        "src/b.rs": "fn main() {}\n",
+        "src/c.go": "package main\n",
+    }
+    assert sorted(p.name for p in skipped) == ["blob.bin", "old.txt"]
+    (src,) = S.resolve([str(code)], include=("*.rs", "*.go"), exclude=("src/c.*",))
+    assert [d.doc_id for d in S.iter_documents(src)] == ["src/b.rs"]
+    (src,) = S.resolve([str(code)], include=("*.java",))
+    with pytest.raises(S.DataError, match=r"no UTF-8 text files among 0 files include \['\*.java'\]"):
+        list(S.iter_documents(src))
+    cfg = load_config("tiny", [f"data.sources=[{code}]", "data.include=['*.rs', '*.go']"])
+    assert cfg.data.include == ("*.rs", "*.go")
+    with pytest.raises(Exception, match=r"data.exclude: a list of file globs"):
+        load_config("tiny", ["data.exclude=['']"])

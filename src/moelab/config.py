@@ -329,6 +329,8 @@ class DataConfig:
     sources: tuple[str, ...] = ("stdlib",)
     tokenizer: str = ""  # path to a tokenizer.json; "" = train a byte-level BPE
     text_field: str = "text"
+    include: tuple[str, ...] = ()  # directory sources: globs of the files to read (none: every text file)
+    exclude: tuple[str, ...] = ()  # directory sources: globs of files to leave out
     held_out_fraction: float = 0.02
     max_bytes_per_domain: int = 0  # 0 = every document; otherwise stop adding documents past this
     # mixture: one weight mapping per phase (empty = each domain in proportion to its tokens;
@@ -344,6 +346,10 @@ class DataConfig:
         e: list[str] = []
         if not d.sources:
             e.append("data.sources: name at least one source (a path or 'stdlib')")
+        for name in ("include", "exclude"):
+            globs = getattr(d, name)
+            if not all(isinstance(g, str) and g.strip() for g in globs):
+                e.append(f"data.{name}: a list of file globs such as ['*.pl', 'lib/**'], got {list(globs)!r}")
         if not str(d.text_field).strip():
             e.append("data.text_field: must name the field that holds a document's text (default 'text')")
         if not 0.0 <= d.held_out_fraction < 1.0:

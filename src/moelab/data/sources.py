@@ -1,6 +1,8 @@
 """Data sources: each source is one or more domains of documents.
 
-A source is a directory (text files, recursively), a ``.jsonl`` / ``.jsonl.gz`` file, a
+A source is a directory (every UTF-8 text file in it, recursively, whatever its name: the content
+decides, binary files and other encodings are left out; hidden paths are skipped, and the globs
+``data.include`` / ``data.exclude`` choose files), a ``.jsonl`` / ``.jsonl.gz`` file, a
 ``.parquet`` file, or a built-in corpus that every machine with Python and a C compiler has:
 - ``stdlib``: the running interpreter's standard library, as three domains (library code, its
   test suite, and the prose of ``pydoc_data``);
@@ -12,6 +14,7 @@ Bad input raises DataError with one line that names the file (and line).
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import hashlib
 import json
@@ -24,7 +27,6 @@ from pathlib import Path
 
 from moelab.errors import DataError  # noqa: F401 - raised here, importable from here
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".markdown", ".tex", ".html", ".c", ".h", ".js", ".toml")
 STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
 CHEADERS_DOMAINS = ("cheaders-libc", "cheaders-linux", "cheaders-cxx")
 BUILTIN = ("stdlib", "cheaders")
@@ -44,6 +46,8 @@ class Source:
     kind: str  # stdlib | cheaders | dir | jsonl | parquet
     path: Path | None
     domains: tuple[str, ...]
+    include: tuple[str, ...] = ()  # a directory's files: globs to keep (none: every file)
+    exclude: tuple[str, ...] = ()  # ... and globs to leave out
 
 
 def _domain_name(path: Path) -> str:
@@ -54,8 +58,11 @@ def _domain_name(path: Path) -> str:
     return name
 
 
-def resolve(specs: tuple[str, ...] | list[str]) -> list[Source]:
-    """Check that every source exists and has a known form; name its domains (unique)."""
+def resolve(
+    specs: tuple[str, ...] | list[str], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+) -> list[Source]:
+    """Check that every source exists and has a known form; name its domains (unique). ``include``
+    and ``exclude`` (globs, ``data.include`` / ``data.exclude``) choose the files of directories."""
     out: list[Source] = []
     seen: set[str] = set()
     for spec in specs:
@@ -81,7 +88,8 @@ def resolve(specs: tuple[str, ...] | list[str]) -> list[Source]:
                 kind = "parquet"
             else:
                 raise DataError(f"{spec}: not a directory, .jsonl, .jsonl.gz or .parquet file")
-            src = Source(spec, kind, path, (_domain_name(path.resolve()),))
+            globs = (tuple(include), tuple(exclude)) if kind == "dir" else ((), ())
+            src = Source(spec, kind, path, (_domain_name(path.resolve()),), *globs)
         for d in src.domains:
             if d in seen:
                 raise DataError(f"{spec}: domain {d!r} is already named by another source; rename one")
@@ -162,25 +170,68 @@ def _iter_cheaders(src: Source) -> Iterator[Document]:
         yield Document(domain, str(path.relative_to(src.path)), text)
 
 
-def _text_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+def _matches(rel: str, name: str, globs: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(name, g) for g in globs)
 
 
-def _iter_dir(src: Source) -> Iterator[Document]:
+def _candidate_files(src: Source) -> list[Path]:
+    """A directory's files, in order: not hidden (no part of the path starts with a dot), kept by
+    ``include`` when it is given, not left out by ``exclude``."""
     assert src.path is not None
-    files = _text_files(src.path)
-    if not files:
-        raise DataError(f"{src.spec}: no text files ({' '.join(TEXT_SUFFIXES)}) in this directory")
+    out = []
+    for p in sorted(src.path.rglob("*")):
+        rel = p.relative_to(src.path)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        if src.include and not _matches(rel.as_posix(), p.name, src.include):
+            continue
+        if src.exclude and _matches(rel.as_posix(), p.name, src.exclude):
+            continue
+        out.append(p)
+    return out
+
+
+def _as_text(data: bytes) -> str | None:
+    """The file's text when it is UTF-8 text: no NUL byte (binary) and valid UTF-8 throughout."""
+    if b"\0" in data[:8192]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _iter_dir(src: Source, skipped: list | None = None) -> Iterator[Document]:
+    """Every UTF-8 text file of the directory, whatever its name (the content decides); files that
+    are binary or in another encoding are left out (and listed in ``skipped``)."""
+    assert src.path is not None
+    files = _candidate_files(src)
+    left_out = []
+    found = 0
     for path in files:
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not valid UTF-8 at byte {exc.start}; convert or remove the file") from None
+        text = _as_text(data)
+        del data  # not held while the document is read (a file can be hundreds of MB)
+        if text is None:
+            left_out.append(path)
+            continue
+        found += 1
         yield Document(src.domains[0], str(path.relative_to(src.path)), text)
+    if skipped is not None:
+        skipped.extend(left_out)
+    if not found:
+        globs = (f" include {list(src.include)}" if src.include else "") + (
+            f" exclude {list(src.exclude)}" if src.exclude else ""
+        )
+        seen = ", ".join(p.name for p in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+        raise DataError(
+            f"{src.spec}: no UTF-8 text files among {len(files)} files{globs}"
+            + (f" ({len(left_out)} binary or not UTF-8: {seen})" if left_out else "")
+            + "; name a directory of text, or change data.include / data.exclude"
+        )
 
 
 def _iter_jsonl(src: Source, field: str) -> Iterator[Document]:
@@ -230,13 +281,13 @@ def _iter_parquet(src: Source, field: str) -> Iterator[Document]:
             yield Document(src.domains[0], f"{src.path.name}#{row}", text)
 
 
-def iter_documents(src: Source, text_field: str = "text") -> Iterator[Document]:
+def iter_documents(src: Source, text_field: str = "text", skipped: list | None = None) -> Iterator[Document]:
     if src.kind == "stdlib":
         yield from _iter_stdlib()
     elif src.kind == "cheaders":
         yield from _iter_cheaders(src)
     elif src.kind == "dir":
-        yield from _iter_dir(src)
+        yield from _iter_dir(src, skipped)
     elif src.kind == "jsonl":
         yield from _iter_jsonl(src, text_field)
     else:
@@ -254,7 +305,7 @@ def fingerprint(src: Source) -> list:
     if src.kind == "cheaders":
         files = [p for _, p in cheaders_files(src.path)]
     else:
-        files = _text_files(src.path) if src.kind == "dir" else [src.path]
+        files = _candidate_files(src) if src.kind == "dir" else [src.path]
     return [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
 
 

@@ -112,6 +112,8 @@ def store_key(cfg: DataConfig, vocab_size: int, srcs: list[S.Source]) -> str:
         "tokenizer": tok_fp,
         "vocab_size": None if tokenizer else vocab_size,
     }
+    if cfg.include or cfg.exclude:  # (absent otherwise: the keys of stores built before stay)
+        blob["globs"] = [list(cfg.include), list(cfg.exclude)]
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -138,7 +140,9 @@ def _pieces(doc: S.Document, size: int):
         start, k = end, k + 1
 
 
-def _documents(srcs: list[S.Source], cfg: DataConfig, domain: str | None = None, piece: dict | None = None):
+def _documents(
+    srcs: list[S.Source], cfg: DataConfig, domain: str | None = None, piece: dict | None = None, skipped=None
+):
     """The documents the store holds, in order: non-empty, within ``data.max_bytes_per_domain``
     (whole documents counted), cut into pieces; those of ``domain`` only when it is given. Each
     pass reads the sources again, so nothing but the current document is held."""
@@ -147,23 +151,24 @@ def _documents(srcs: list[S.Source], cfg: DataConfig, domain: str | None = None,
         if domain is not None and domain not in src.domains:
             continue
         size = dict.fromkeys(src.domains, 0)
-        for doc in S.iter_documents(src, cfg.text_field):
+        for doc in S.iter_documents(src, cfg.text_field, skipped):
             if domain is not None and doc.domain != domain:
                 continue
             if not doc.text.strip():
                 continue
-            if cfg.max_bytes_per_domain and size[doc.domain] >= cfg.max_bytes_per_domain:
-                continue
-            size[doc.domain] += len(doc.text.encode("utf-8"))
+            if cfg.max_bytes_per_domain:
+                if size[doc.domain] >= cfg.max_bytes_per_domain:
+                    continue
+                size[doc.domain] += len(doc.text.encode("utf-8"))
             yield from _pieces(doc, piece.get(doc.domain, MAX_PIECE_CHARS))
 
 
-def _index(srcs: list[S.Source], cfg: DataConfig) -> tuple[dict[str, list[str]], dict[str, int]]:
+def _index(srcs: list[S.Source], cfg: DataConfig, skipped=None) -> tuple[dict[str, list[str]], dict[str, int]]:
     """Each domain's document ids in order, and the piece size per domain (a domain of one document
     is cut by position, so that part of it can be held out)."""
     ids: dict[str, list[str]] = {d: [] for s in srcs for d in s.domains}
     chars = dict.fromkeys(ids, 0)
-    for doc in _documents(srcs, cfg):
+    for doc in _documents(srcs, cfg, skipped=skipped):
         ids[doc.domain].append(doc.doc_id)
         chars[doc.domain] += len(doc.text)
     piece = {}
@@ -197,6 +202,10 @@ def _encode(tok, texts: list[str], eot: int) -> list[np.ndarray]:
     return [np.asarray(enc.ids + [eot], np.uint32) for enc in tok.encode_batch_fast(texts)]
 
 
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def _encode_domain(tok, docs, held: dict, eot: int, dtype, train_out, held_out, bar) -> dict[str, list]:
     """Encode one domain's documents in batches of bounded text, each to its split's file as it
     comes; per split, (id, tokens, bytes) of each document in order."""
@@ -208,7 +217,7 @@ def _encode_domain(tok, docs, held: dict, eot: int, dtype, train_out, held_out, 
         for doc, arr in zip(batch, _encode(tok, [x.text for x in batch], eot), strict=True):
             split = "heldout" if held[doc.doc_id] else "train"
             arr.astype(dtype).tofile(held_out if split == "heldout" else train_out)
-            counts[split].append((doc.doc_id, len(arr), len(doc.text.encode("utf-8"))))
+            counts[split].append((doc.doc_id, len(arr), _utf8_len(doc.text)))
         bar.update(len(batch))
         batch.clear()
 
@@ -221,13 +230,6 @@ def _encode_domain(tok, docs, held: dict, eot: int, dtype, train_out, held_out, 
     if batch:
         flush()
     return counts
-
-
-def _say(progress: bool, text: str) -> None:
-    if progress:
-        import sys
-
-        print(f"moelab: {text}", file=sys.stderr, flush=True)
 
 
 def _clean_stale(root: Path) -> None:
@@ -248,9 +250,9 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
     The build streams: the sources are read once to index the documents, once per domain to train
     the tokenizer and once per domain to encode, and tokens go to disk as they come, so memory does
     not grow with the corpus (a document longer than MAX_PIECE_CHARS is cut into pieces)."""
-    from tqdm import tqdm
+    from moelab.progress import Progress, say
 
-    srcs = S.resolve(cfg.sources)
+    srcs = S.resolve(cfg.sources, cfg.include, cfg.exclude)
     key = store_key(cfg, vocab_size, srcs)
     root = Path(cache or S.cache_root())
     final = root / f"store-{key}"
@@ -262,15 +264,20 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     try:
-        _say(progress, f"indexing the documents of {', '.join(cfg.sources)}")
-        ids, piece = _index(srcs, cfg)
+        say(f"indexing the documents of {', '.join(cfg.sources)}", progress)
+        skipped: list = []
+        ids, piece = _index(srcs, cfg, skipped)
+        if skipped:
+            names = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+            say(f"left out {len(skipped)} files that are binary or not UTF-8 text ({names})", progress)
         held = {d: dict(zip(i, _split(d, i, cfg.held_out_fraction), strict=True)) for d, i in ids.items()}
         if cfg.tokenizer:
             tok = load_tokenizer(cfg.tokenizer, vocab_size)
         else:
-            _say(
+            say(
+                f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the "
+                "training documents",
                 progress,
-                f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the training documents",
             )
 
             share = TOKENIZER_CHARS // len(ids)
@@ -293,9 +300,9 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
         total_docs = sum(len(v) for v in ids.values())
         spans, manifest_docs, offset = {}, [], 0
         with (
-            tqdm(total=total_docs, desc="tokenizing", unit="doc", disable=None if progress else True) as bar,
             open(tmp / "tokens.bin", "wb") as out,
         ):
+            bar = Progress(total_docs, desc="tokenizing", unit="document", enabled=progress)
             for domain in ids:
                 # the held-out documents go after the domain's training ones: kept apart until then
                 side = tmp / f"heldout-{len(spans)}.bin"
@@ -322,6 +329,7 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
                         )
                         offset += n
                     spans[domain][split] = [start, offset]
+            bar.close()
         np.save(tmp / "byte_lengths.npy", token_byte_lengths(tok))
         with open(tmp / "documents.jsonl", "w") as fh:
             for d in manifest_docs:

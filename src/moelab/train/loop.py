@@ -26,6 +26,7 @@ from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - rais
 from moelab.monitor.faults import Injector
 from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.parallel import mesh as pmesh
+from moelab.progress import Progress, say
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
@@ -140,14 +141,11 @@ class ForecastUpdates:
         append_jsonl(self.path, {"time": time.time(), **upd})
         fin = upd["final"]
         self.run.event("forecast_update", step=step, law=upd["law"], final=fin)
-        if self.progress:
-            from tqdm import tqdm
-
-            tqdm.write(
-                f"forecast update at step {step}: final held-out loss {fin['loss']:.4f} "
-                f"[{fin['low']:.4f}, {fin['high']:.4f}] (registered: {self.forecast['loss'][-1]:.4f})",
-                file=sys.stderr,
-            )
+        say(
+            f"forecast update at step {step}: final held-out loss {fin['loss']:.4f} "
+            f"[{fin['low']:.4f}, {fin['high']:.4f}] (registered: {self.forecast['loss'][-1]:.4f})",
+            self.progress,
+        )
         if self.callback is not None:
             self.callback(upd)
 
@@ -270,6 +268,8 @@ class _Job:
         self.step_fn = make_train_step(cfg, self.opt, self.h)
         self.evaluator = Evaluator(cfg, store)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
+        if not cfg.train.peak_flops:
+            say(f"measuring this machine's {cfg.model.compute_dtype} matmul peak (for MFU)", self.progress)
         self.peak = cfg.train.peak_flops or matmul_peak(dtype=cfg.model.compute_dtype)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
         self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
@@ -301,12 +301,13 @@ class _Job:
 
     def step_loop(self, stop) -> None:
         """Every step from the start: a batch, the update, the NaN guard, then logs, evals and checkpoints."""
-        from tqdm import tqdm
-
         cfg, run, store, inj = self.cfg, self.run, self.store, self.injector
         if self.start == 0 and not self.cursor_ok:
+            say("evaluating the initial model on the held-out windows", self.progress)
             self.evaluate(0)
-        self.bar = tqdm(total=self.steps, initial=self.start, desc="train", unit="step", disable=None if self.progress else True)  # fmt: skip
+        say(f"compiling the train step (step {self.start + 1} waits for it; the XLA cache keeps it for reruns)",
+            self.progress)  # fmt: skip
+        self.bar = Progress(self.steps, self.start, desc="train", unit="step", enabled=self.progress)
         timing, warm = [0.0, 0], False  # seconds and steps since the last log line
         s = self.start
         while s < self.steps:
@@ -384,8 +385,6 @@ class _Job:
 
     def record(self, rec: dict) -> None:
         """A metrics line: to the file, the trackers and the health monitor (a changed level is an event)."""
-        from tqdm import tqdm
-
         append_jsonl(self.run.metrics, rec)
         for t in self.trackers:
             t.log(rec)
@@ -394,7 +393,8 @@ class _Job:
                 continue  # only changes of level are events
             self.run.event("health", check=f.check, level=f.level, step=f.step, evidence=f.evidence)
             if f.level == "ALERT":
-                tqdm.write(f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}", file=sys.stderr)
+                text = f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}"
+                self.bar.write(text) if getattr(self, "bar", None) is not None else print(text, file=sys.stderr)
 
     def evaluate(self, done: int) -> dict:
         t0 = time.perf_counter()
