@@ -323,7 +323,7 @@ def test_one_document_is_cut_by_position_so_part_of_it_is_held_out(corpus, tmp_p
 
 
 def test_a_long_document_is_cut_into_pieces_at_line_ends(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "MAX_PIECE_CHARS", 4000)
+    monkeypatch.setattr(S, "MAX_PIECE_CHARS", 4000)
     long = Path(corpus["code"], "textwrap.py").read_text()
     pieces = list(store_mod._pieces(S.Document("d", "x", long), 4000))
     assert len(pieces) >= len(long) // 4000 and "".join(p.text for p in pieces) == long
@@ -381,3 +381,23 @@ def test_a_directory_source_reads_every_text_file_by_content_and_takes_globs(tmp
     assert cfg.data.include == ("*.rs", "*.go")
     with pytest.raises(Exception, match=r"data.exclude: a list of file globs"):
         load_config("tiny", ["data.exclude=['']"])
+
+
+def test_a_large_file_is_read_as_a_stream_into_the_same_pieces(tmp_path, monkeypatch):
+    """Past STREAM_BYTES a file is never held whole: decoded in chunks and cut as it comes, into
+    exactly the pieces the store cuts a document into (non-ASCII text, long and short lines)."""
+    line = "naïve λ 🙂 " * 7 + "\n"
+    text = "".join(line * (i % 5 + 1) + ("x" * 5000 if i % 7 == 0 else "") for i in range(300))
+    root = tmp_path / "big"
+    root.mkdir()
+    (root / "big.txt").write_text(text, encoding="utf-8")
+    (root / "small.txt").write_text("short\n")
+    expect = [(p.doc_id, p.text) for p in store_mod._pieces(S.Document("big", "big.txt", text), 3000)]
+    monkeypatch.setattr(S, "STREAM_BYTES", 10_000)
+    monkeypatch.setattr(S, "MAX_PIECE_CHARS", 3000)
+    got = [(d.doc_id, d.text) for d in S.iter_documents(S.resolve([str(root)])[0]) if d.doc_id != "small.txt"]
+    assert got == expect and len(got) > 10
+    (root / "big.txt").write_bytes(text.encode("utf-8") + b"\xff tail")  # not UTF-8 near its end
+    skipped: list = []
+    assert [d.doc_id for d in S.iter_documents(S.resolve([str(root)])[0], skipped=skipped)] == ["small.txt"]
+    assert [p.name for p in skipped] == ["big.txt"]

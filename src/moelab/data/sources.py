@@ -14,6 +14,7 @@ Bad input raises DataError with one line that names the file (and line).
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import gzip
 import hashlib
@@ -201,6 +202,52 @@ def _as_text(data: bytes) -> str | None:
         return None
 
 
+MAX_PIECE_CHARS = 1 << 20  # a longer document is cut into pieces after a newline (moelab.data.store)
+STREAM_BYTES = 16 << 20  # a file larger than this is read, decoded and cut as a stream, never whole
+
+
+def _utf8_file(path: Path) -> bool:
+    """Whether a file is UTF-8 text (no NUL in its first 8 KB, valid throughout), read in chunks."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as fh:
+        head = True
+        while chunk := fh.read(1 << 20):
+            if head and b"\0" in chunk[:8192]:
+                return False
+            head = False
+            try:
+                dec.decode(chunk)
+            except UnicodeDecodeError:
+                return False
+    try:
+        dec.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def stream_pieces(path: Path, domain: str, doc_id: str, size: int) -> Iterator[Document]:
+    """A large UTF-8 file as the pieces the store would cut it into (at most ``size`` characters,
+    after the last newline in the second half of that span), holding about two pieces at a time."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    buf, k = "", 0
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(1 << 20)
+            buf += dec.decode(chunk, final=not chunk)
+            while len(buf) > size or (not chunk and buf):
+                if len(buf) <= size:
+                    piece, buf = buf, ""
+                else:
+                    nl = buf.rfind("\n", size // 2, size)
+                    end = nl + 1 if nl != -1 else size
+                    piece, buf = buf[:end], buf[end:]
+                yield Document(domain, f"{doc_id}#{k}", piece)
+                k += 1
+            if not chunk:
+                return
+
+
 def _iter_dir(src: Source, skipped: list | None = None) -> Iterator[Document]:
     """Every UTF-8 text file of the directory, whatever its name (the content decides); files that
     are binary or in another encoding are left out (and listed in ``skipped``)."""
@@ -210,6 +257,13 @@ def _iter_dir(src: Source, skipped: list | None = None) -> Iterator[Document]:
     found = 0
     for path in files:
         try:
+            if path.stat().st_size > STREAM_BYTES:  # already in pieces, none held whole
+                if not _utf8_file(path):
+                    left_out.append(path)
+                    continue
+                found += 1
+                yield from stream_pieces(path, src.domains[0], str(path.relative_to(src.path)), MAX_PIECE_CHARS)
+                continue
             data = path.read_bytes()
         except OSError as exc:
             raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None

@@ -117,7 +117,6 @@ def store_key(cfg: DataConfig, vocab_size: int, srcs: list[S.Source]) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-MAX_PIECE_CHARS = 1 << 20  # a longer document is cut into pieces at line ends, so nothing holds all of it
 SINGLE_DOC_PIECES = 20  # a domain of one document is cut into this many pieces, by position
 MIN_PIECE_CHARS = 256  # ... each at least this long
 TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
@@ -160,7 +159,7 @@ def _documents(
                 if size[doc.domain] >= cfg.max_bytes_per_domain:
                     continue
                 size[doc.domain] += len(doc.text.encode("utf-8"))
-            yield from _pieces(doc, piece.get(doc.domain, MAX_PIECE_CHARS))
+            yield from _pieces(doc, piece.get(doc.domain, S.MAX_PIECE_CHARS))
 
 
 def _index(srcs: list[S.Source], cfg: DataConfig, skipped=None) -> tuple[dict[str, list[str]], dict[str, int]]:
@@ -249,7 +248,7 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
 
     The build streams: the sources are read once to index the documents, once per domain to train
     the tokenizer and once per domain to encode, and tokens go to disk as they come, so memory does
-    not grow with the corpus (a document longer than MAX_PIECE_CHARS is cut into pieces)."""
+    not grow with the corpus (a document longer than sources.MAX_PIECE_CHARS is cut into pieces)."""
     from moelab.progress import Progress, say
 
     srcs = S.resolve(cfg.sources, cfg.include, cfg.exclude)
