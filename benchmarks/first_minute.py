@@ -3,8 +3,9 @@ cold (an empty cache: no token store, no compiled programs) and warm (the same c
 
 Each run is a fresh process with stderr a pipe (as on CI or in a log file); every line it prints is
 stamped with the time it arrived, and the phases are the gaps between the lines that open them:
-import (to the first line), data (indexing, tokenizer, tokenizing, loading the store), peak (the
-matmul peak for MFU), initial eval, compile (to the line of step 1). Targets: first step within
+import (to the first line), data (indexing), tokenizer, tokenizing (and writing the store), state
+(the model and optimiser state), peak (the matmul peak for MFU, measured once a week), initial
+eval, compile (to the line of step 1). Targets: first step within
 30 s cold and 10 s warm on 2 cores. Writes benchmarks/results/first_minute.json.
 """
 
@@ -29,7 +30,8 @@ OPENERS = [
     ("data", "moelab: indexing the documents"),
     ("tokenizer", "moelab: training a"),
     ("tokenizing", "tokenizing:"),
-    ("peak", "moelab: measuring this machine"),
+    ("state", "moelab: building the model"),
+    ("peak", "moelab: this machine's"),
     ("initial eval", "moelab: evaluating the initial model"),
     ("compile", "moelab: compiling the train step"),
     ("first step", "train: step "),

@@ -11,14 +11,24 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["moe_dispatch.py", "vs_transformers.py", "fault_detection.py", "drops_vs_context.py", "forecast_backtest.py"]
+SCRIPTS = [
+    ["moe_dispatch.py"],
+    ["vs_transformers.py"],
+    ["fault_detection.py"],
+    ["drops_vs_context.py"],
+    ["forecast_backtest.py"],
+    # the clean ladders forecast_backtest.py trained, under the calibrated health thresholds
+    ["health_calibration.py", "runs/bench/forecast/stdlib", "runs/bench/forecast/cheaders"],
+    ["store_memory.py"],
+    ["first_minute.py"],
+]
 
 if __name__ == "__main__":
     failed, took = [], {}
-    for script in SCRIPTS:
-        print(f"== {script}", flush=True)
+    for script, *args in SCRIPTS:
+        print(f"== {script} {' '.join(args)}", flush=True)
         t0 = time.perf_counter()
-        if subprocess.run([sys.executable, str(HERE / script)]).returncode != 0:
+        if subprocess.run([sys.executable, str(HERE / script), *args]).returncode != 0:
             failed.append(script)
         took[script] = time.perf_counter() - t0
     print(

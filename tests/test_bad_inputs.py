@@ -223,3 +223,10 @@ def test_the_table_is_wide(env):
     commands = {c[0].split(" ")[0] for c in CASES}
     assert {"train", "config", "flops", "ladder", "health", "eval", "replan", "run", "issue", "report"} <= commands
     assert json.loads((env["run"] / "config.json").read_text())["config"]["train"]["steps"] == 6
+
+
+def test_help_of_every_command_group_prints(capsys):
+    """`moelab ladder --help` once failed (a % in its help text went through argparse's formatting)."""
+    for group in (["ladder"], ["ladder", "fit-nd"], ["train"], ["run"], ["health"], ["replan"]):
+        assert call([*group, "--help"]) == 0
+        assert "usage: moelab " + " ".join(group) in capsys.readouterr().out

@@ -493,3 +493,45 @@ def test_mfu_is_per_device_against_the_compute_dtype_peak(corpus, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["devices"] == 8 and summary["peak_flops"] == 1e11
     assert matmul_peak(sizes=(256,), repeats=1, dtype="bfloat16") > 0  # the compute dtype's own peak is measured
+
+
+def test_the_matmul_peak_is_measured_once_a_week_per_machine(tmp_path, monkeypatch):
+    from moelab.train import record
+
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(record, "matmul_peak", lambda dtype="float32": calls.append(dtype) or 1e11 * len(calls))
+    assert record.cached_matmul_peak("float32") == 1e11 and record.cached_matmul_peak("float32") == 1e11
+    assert record.cached_matmul_peak("bfloat16") == 2e11 and calls == ["float32", "bfloat16"]
+    known = json.loads((tmp_path / "peaks.json").read_text())
+    for v in known.values():
+        v["time"] -= record.PEAK_MAX_AGE_S + 1  # a week later: measured again
+    (tmp_path / "peaks.json").write_text(json.dumps(known))
+    assert record.cached_matmul_peak("float32") == 3e11 and len(calls) == 3
+
+
+def test_a_run_whose_every_step_compiled_reports_no_speed(tmp_path, recwarn):
+    """One step: it compiled, so it is not timed; the summary leaves tokens/s and MFU out (no nan, no
+    numpy warning) and the printed summary says so."""
+    import io
+    from contextlib import redirect_stdout
+
+    from moelab.cli.common import print_summary
+    from moelab.config import load_config
+    from moelab.train.loop import summarize
+    from moelab.train.record import RunDir
+
+    run = RunDir(tmp_path)
+    rec = {"kind": "train", "step": 1, "loss": 6.8, "dropped_frac": 0.01, "spilled_frac": 0.0,
+           "tokens_per_s": float("nan"), "mfu": float("nan")}  # fmt: skip
+    run.metrics.write_text(json.dumps(rec) + "\n")
+    out = summarize(run, load_config("tiny", ["train.steps=1"]))
+    assert "tokens_per_s" not in out and "mfu" not in out and out["final_loss"] == 6.8
+    assert not [w for w in recwarn if "NaN" in str(w.message)]
+    text = io.StringIO()
+    with redirect_stdout(text):
+        print_summary(out)
+    assert "speed not measured" in text.getvalue() and "nan" not in text.getvalue()
+    rec2 = {**rec, "step": 2, "tokens_per_s": 1000.0, "mfu": 0.1}
+    run.metrics.write_text(json.dumps(rec) + "\n" + json.dumps(rec2) + "\n")
+    assert summarize(run, load_config("tiny", ["train.steps=2"]))["tokens_per_s"] == 1000.0

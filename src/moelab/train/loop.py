@@ -32,11 +32,11 @@ from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
     RunDir,
     append_jsonl,
+    cached_matmul_peak,
     enable_compile_cache,
     git_state,
     host,
     load_run_config,
-    matmul_peak,
     read_jsonl,
     versions,
 )
@@ -227,6 +227,8 @@ class _Job:
         """A fresh state, or the newest complete checkpoint's (with the data position, the NaN guard's
         memory and the metrics cut back to its cursor)."""
         cfg, run = self.cfg, self.run
+        say("building the model and optimiser state" + (" (or restoring the newest checkpoint)" if resume else ""),
+            self.progress)  # fmt: skip
         self.h = optim.hyper(cfg)
         self.opt = optim.make_optimizer(cfg, self.h)
         self.state = init_train_state(cfg, self.opt)
@@ -269,8 +271,8 @@ class _Job:
         self.evaluator = Evaluator(cfg, store)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
         if not cfg.train.peak_flops:
-            say(f"measuring this machine's {cfg.model.compute_dtype} matmul peak (for MFU)", self.progress)
-        self.peak = cfg.train.peak_flops or matmul_peak(dtype=cfg.model.compute_dtype)
+            say(f"this machine's {cfg.model.compute_dtype} matmul peak, for MFU (measured once a week)", self.progress)
+        self.peak = cfg.train.peak_flops or cached_matmul_peak(dtype=cfg.model.compute_dtype)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
         self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
         self.evals = eval_points(cfg, steps)

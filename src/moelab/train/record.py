@@ -194,6 +194,39 @@ def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3, dt
     return best
 
 
+PEAK_MAX_AGE_S = 7 * 86400  # a machine's measured peak is measured again after a week
+
+
+def cached_matmul_peak(dtype: str = "float32") -> float:
+    """``matmul_peak`` measured once per machine, device kind, dtype and JAX version and kept in the
+    cache (MOELAB_CACHE/peaks.json) for a week: a run's start does not wait seconds for it."""
+    import platform
+
+    import jax
+
+    from moelab.data.sources import cache_root
+
+    path = cache_root() / "peaks.json"
+    key = f"{platform.node()}|{jax.devices()[0].device_kind}|{dtype}|{jax.__version__}"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    hit = known.get(key)
+    if isinstance(hit, dict) and time.time() - hit.get("time", 0) < PEAK_MAX_AGE_S and hit.get("flops", 0) > 0:
+        return float(hit["flops"])
+    peak = matmul_peak(dtype=dtype)
+    known[key] = {"flops": peak, "time": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"peaks.json.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return peak
+
+
 def enable_compile_cache() -> None:
     """Keep compiled XLA programs on disk (MOELAB_CACHE/jax): a rerun or resume skips most compiling."""
     import jax
