@@ -230,3 +230,17 @@ def test_help_of_every_command_group_prints(capsys):
     for group in (["ladder"], ["ladder", "fit-nd"], ["train"], ["run"], ["health"], ["replan"]):
         assert call([*group, "--help"]) == 0
         assert "usage: moelab " + " ".join(group) in capsys.readouterr().out
+
+
+def test_a_run_that_died_before_its_config_can_still_be_resumed(tmp_path):
+    """The supervisor's restart resumes a run whose first process died before config.json: its
+    events are there, so --resume is not refused as 'nothing to resume'."""
+    import argparse
+
+    from moelab.cli.train import _check_out
+
+    (tmp_path / "events.jsonl").write_text('{"event": "restart"}\n')
+    _check_out(argparse.Namespace(out=str(tmp_path), resume=True))  # no refusal
+    (tmp_path / "events.jsonl").unlink()
+    with pytest.raises(Exception, match="holds no run to resume"):
+        _check_out(argparse.Namespace(out=str(tmp_path), resume=True))

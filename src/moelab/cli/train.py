@@ -95,7 +95,9 @@ def _check_out(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {out} is a file, not a directory; choose a directory for the run")
-    is_run = (out / "config.json").is_file()
+    # a run's own files (a run that died before its config.json was written still has its events,
+    # and the supervisor's restarts resume it)
+    is_run = (out / "config.json").is_file() or (out / "events.jsonl").is_file()
     if args.resume and not is_run:
         raise UsageError(f"--out: {out} holds no run to resume (no config.json); leave out --resume to start one")
     if not args.resume and out.is_dir() and not is_run:
