@@ -70,10 +70,12 @@ def train_step(
         from moelab.config import load_config
         from moelab.errors import ConfigError, ExperimentError
 
-        try:  # refused when the experiment loads, before any step runs (and in --dry-run alike)
-            load_config(config, list(overrides))
-        except ConfigError as exc:
-            raise ExperimentError(f"step {name!r}: {'; '.join(exc.errors)}") from None
+        static = isinstance(config, (str, Path)) and all(isinstance(o, str) for o in overrides)
+        if static:  # refused when the experiment loads, before any step runs (and in --dry-run alike)
+            try:
+                load_config(config, list(overrides))
+            except ConfigError as exc:
+                raise ExperimentError(f"step {name!r}: {'; '.join(exc.errors)}") from None
         fields = {"config": versioned(config), "overrides": versioned(list(overrides))}
     if forecast is not None:
         fields["forecast"] = versioned(forecast)
