@@ -154,6 +154,12 @@ CASES = [
     ("eval {trunc}", "config.json"),
     ("eval {t}/nonexist", "nonexist"),
     ("eval {run} --checkpoint 999", "999"),
+    ("eval {run} --noise 2 --against {t}/nonexist", "nonexist"),
+    ("eval {run} --noise 0", "--noise"),
+    ("status --prefix /nonexistent-moelab", "--prefix"),
+    ("train tiny --data {t}/nonexist --out {t}/o", "nonexist"),
+    ("train tiny --data {f}/good.csv --out {t}/o", "good.csv"),
+    ("train tiny --set train.steps=2.5 --out {t}/o", "train.steps"),
     # replan
     ("replan {run} --tokens nan --reason x", "--tokens"),
     ("replan {run} --tokens inf --reason x", "--tokens"),

@@ -45,6 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from moelab.lab.commands import status_rows
 
+    if not Path(args.prefix).is_dir():
+        raise UsageError(f"--prefix: no such directory {args.prefix}; give the prefix `moelab run` wrote to")
     rows = status_rows(Path(args.prefix))
     if not rows:
         print(f"no experiments under {args.prefix}")

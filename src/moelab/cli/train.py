@@ -158,6 +158,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from moelab.train.evaluate import eval_noise, evaluate_run
 
     if args.noise:
+        if args.against:
+            from moelab.train.record import load_run_config
+
+            load_run_config(args.against)  # refused in one line before anything is said
         if not args.json:
             print(
                 f"evaluating {args.run_dir} on up to {args.noise} disjoint sets of held-out windows ...",
