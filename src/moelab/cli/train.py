@@ -36,10 +36,10 @@ def _train_config(args: argparse.Namespace):
     cfg = load_config(args.config, overrides)
     if args.data:
         cfg = replace(cfg, data={"sources": tuple(args.data)})
-    if cfg.check_vocab():
+    if problems := cfg.check_vocab():
         from moelab.errors import ConfigError
 
-        raise ConfigError(cfg.check_vocab())
+        raise ConfigError(problems)
     return cfg
 
 

@@ -183,8 +183,8 @@ def train(
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
     cfg = _check_resume(run, cfg, resume)
-    if cfg.check_vocab():
-        raise ConfigError(cfg.check_vocab())
+    if problems := cfg.check_vocab():
+        raise ConfigError(problems)
     job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
     job.prepare_data()
     job.build_or_restore(resume)
@@ -396,7 +396,10 @@ class _Job:
             self.run.event("health", check=f.check, level=f.level, step=f.step, evidence=f.evidence)
             if f.level == "ALERT":
                 text = f"moelab: ALERT at step {f.step}: {f.check}: {f.evidence}"
-                self.bar.write(text) if getattr(self, "bar", None) is not None else print(text, file=sys.stderr)
+                if getattr(self, "bar", None) is not None:  # under the progress bar, not through it
+                    self.bar.write(text)
+                else:
+                    print(text, file=sys.stderr)
 
     def evaluate(self, done: int) -> dict:
         t0 = time.perf_counter()
