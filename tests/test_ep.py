@@ -251,6 +251,16 @@ def test_ep_training_equals_single_device(single_device_run, ep_run):
     assert ep[-1] < ep[0] - 0.2  # and it trains
 
 
+@pytest.mark.slow  # FSDP (4 x 2): parameters and optimizer state over data, experts also over expert
+def test_fsdp_training_equals_single_device(corpus, single_device_run, tmp_path):
+    out = tmp_path / "fsdp"
+    res = _train(corpus, out, "--devices", "8", "--set", "mesh.data=4", "--set", "mesh.expert=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, ref = _losses(out), _losses(single_device_run)
+    assert len(got) == len(ref) == 20
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("saved,restored", [((2, 4), None), (None, (1, 8))], ids=["8to1", "1to8"])
 def test_a_checkpoint_restores_under_another_mesh(tmp_path, saved, restored):
     from moelab.config import load_config

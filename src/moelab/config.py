@@ -382,6 +382,8 @@ class DataConfig:
 class MeshConfig:
     data: int = 1
     expert: int = 1
+    # parameters, gradients and optimiser state sharded over `data` too (ZeRO-3); experts also over `expert`
+    fsdp: bool = True
 
 
 @dataclass(frozen=True)
@@ -587,8 +589,16 @@ def to_dict(cfg: Config) -> dict:
     return out
 
 
+# fields added after runs were recorded: at these values they leave a config's hash as it was
+HASH_NEUTRAL = {("mesh", "fsdp"): True}
+
+
 def config_hash(cfg: Config) -> str:
-    blob = json.dumps(to_dict(cfg), sort_keys=True).encode()
+    data = to_dict(cfg)
+    for (section, key), value in HASH_NEUTRAL.items():
+        if data.get(section, {}).get(key, value) == value:
+            data[section].pop(key, None)
+    blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 

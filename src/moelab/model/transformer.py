@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model.layers import attention, rms_norm
 from moelab.model.moe import moe_block
+from moelab.parallel import mesh as pmesh
 
 # kept in fp32 whatever the compute dtype: router maths and norm weights
 FP32_PARAMS = ("router", "attn_norm", "mlp_norm", "latent_norm", "final_norm")
@@ -132,7 +133,7 @@ def _remat_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispa
         p_stack, bias_stack = xs
         metrics, biases = [], []
         for j in range(period):
-            p = jax.tree.map(lambda a, j=j: a[j], p_stack)
+            p = pmesh.gathered(jax.tree.map(lambda a, j=j: a[j], p_stack))
             x, met, bias = _layer(x, p, bias_stack[j], i=j, m=m, dispatch=dispatch, capture=capture)
             metrics.append(met)
             biases.append(bias)
@@ -155,14 +156,14 @@ def forward(
     dtype = jnp.dtype(m.compute_dtype)
     if dtype != jnp.float32:
         params = _cast(params, dtype)
-    x = params["embed"][tokens]
+    x = pmesh.gathered({"embed": params["embed"]})["embed"][tokens]
     layer_metrics = []
     new_bias = []
     first = 0
     if m.remat == "layer":
         x, first, layer_metrics, new_bias = _remat_layers(params, state, x, m, dispatch, capture)
     for i in range(first, m.n_layers):  # unrolled: local and global layers differ in window and kv heads
-        p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        p = pmesh.gathered(jax.tree.map(lambda a, i=i: a[i], params["layers"]))  # FSDP: this layer's, whole
         one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)
         if m.remat == "layer":
             one = jax.checkpoint(one)
@@ -175,7 +176,7 @@ def forward(
 
 
 def logits_of(params: dict, hidden: jax.Array) -> jax.Array:
-    head = params["head"].astype(hidden.dtype)
+    head = pmesh.gathered({"head": params["head"]})["head"].astype(hidden.dtype)
     return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
 
 

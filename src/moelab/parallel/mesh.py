@@ -1,12 +1,18 @@
 """The device mesh and the one place that maps logical axes to mesh axes.
 
 A mesh has two axes, ``data`` and ``expert`` (config ``mesh.data`` x ``mesh.expert`` = devices).
-Routed-expert weights are sharded over ``expert``; everything else is replicated; the batch is
-sharded over both axes, so each device holds ``batch / (data * expert)`` sequences.
+Every parameter dimension has a logical name (``LOGICAL``); one table (``RULES``) maps names to
+mesh axes. With ``mesh.fsdp`` (the default) parameters, their gradients and their optimiser state
+are sharded over ``data`` (ZeRO-3: each layer's weights are gathered where they are used, and
+their gradients reduce-scattered back), routed experts also over ``expert``; without it
+(``RULES_REPLICATED``) only the experts are split, over ``expert``, and everything else is
+replicated. The batch is sharded over both axes, so each device holds ``batch / (data * expert)``
+sequences. A dimension that its mesh axis does not divide stays whole (``spec_for``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -16,7 +22,69 @@ from moelab.errors import MeshError  # noqa: F401 - raised here, importable from
 BATCH = ("data", "expert")  # the mesh axes the batch (and every token-major array) is split over
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # stacked [layers, experts, ...]: split over ``expert``
 
+# each parameter's (and the router-bias state's) dimensions by logical name; layer weights are
+# stacked on a leading "layers" axis (a per-layer slice drops it)
+LOGICAL: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "attn_norm": ("layers", "norm"),
+    "mlp_norm": ("layers", "norm"),
+    "latent_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "q_heads"),
+    "wk": ("layers", "embed", "kv_heads"),
+    "wv": ("layers", "embed", "kv_heads"),
+    "wo": ("layers", "q_heads", "embed"),
+    "router": ("layers", "embed", "router_out"),
+    "w_gate": ("layers", "experts", "expert_in", "expert_mlp"),
+    "w_up": ("layers", "experts", "expert_in", "expert_mlp"),
+    "w_down": ("layers", "experts", "expert_mlp", "expert_in"),
+    "latent_down": ("layers", "embed", "latent"),
+    "latent_up": ("layers", "latent", "embed"),
+    "shared_gate": ("layers", "embed", "shared_mlp"),
+    "shared_up": ("layers", "embed", "shared_mlp"),
+    "shared_down": ("layers", "shared_mlp", "embed"),
+    "router_bias": ("layers", "router_out"),
+}
+
+# logical name -> mesh axis; a name not in the table is replicated. Norms, the router's output
+# (every token scores every expert) and the router bias stay whole: they are small.
+RULES: dict[str, str] = {"experts": "expert", "embed": "data", "expert_mlp": "data"}
+RULES_REPLICATED: dict[str, str] = {"experts": "expert"}  # mesh.fsdp: false (and moelab before FSDP)
+
 _ACTIVE = None  # the mesh the model's MoE blocks run their transports on (None: one device)
+_FSDP = False  # whether the active mesh shards parameters over `data` (weights gathered at use)
+
+
+def rules(fsdp: bool) -> dict[str, str]:
+    return RULES if fsdp else RULES_REPLICATED
+
+
+def axes_for(name: str, shape: tuple[int, ...], sizes: dict[str, int], fsdp: bool) -> tuple[str | None, ...]:
+    """The mesh axis of each dimension of leaf ``name`` with ``shape`` on a mesh of axis ``sizes``.
+
+    A name not in ``LOGICAL``, or a leaf whose rank is not its logical rank (nor one less: a
+    per-layer slice), is replicated; a dimension its axis does not divide, or whose axis an
+    earlier dimension took, stays whole."""
+    names = LOGICAL.get(name)
+    if names is None or len(shape) not in (len(names), len(names) - 1):
+        return (None,) * len(shape)
+    if len(shape) == len(names) - 1:
+        names = names[1:]  # one layer's slice of a stacked weight
+    table, used, out = rules(fsdp), set(), []
+    for dim, logical in zip(shape, names, strict=True):
+        axis = table.get(logical)
+        if axis is None or axis in used or sizes.get(axis, 1) <= 1 or dim % sizes[axis]:
+            out.append(None)
+            continue
+        used.add(axis)
+        out.append(axis)
+    return tuple(out)
+
+
+def shards_of(axes: tuple[str | None, ...], sizes: dict[str, int]) -> int:
+    """How many pieces a leaf with these dimension axes is cut into (its bytes per device: size / this)."""
+    return math.prod(sizes[a] for a in axes if a is not None)
 
 
 def request_devices(n: int) -> None:
@@ -57,10 +125,11 @@ def auto_mesh(data: int, expert: int):
     return jax.make_mesh((data, expert), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def set_active(mesh) -> None:
-    """Make the MoE blocks run expert-parallel on ``mesh`` (None: single-device dispatch)."""
-    global _ACTIVE
-    _ACTIVE = mesh
+def set_active(mesh, fsdp: bool = False) -> None:
+    """Make the model run on ``mesh`` (None: one device): MoE blocks through the expert-parallel
+    transports, and, with ``fsdp``, each layer's weights gathered over ``data`` where used."""
+    global _ACTIVE, _FSDP
+    _ACTIVE, _FSDP = mesh, bool(fsdp and mesh is not None)
 
 
 def active():
@@ -70,32 +139,55 @@ def active():
     return _ACTIVE
 
 
-def spec_for(path: tuple[str, ...], ndim: int):
-    """The PartitionSpec of one parameter (or optimiser-state) leaf, from its name."""
+def _leaf_name(path) -> str:
+    """A leaf's name: the last string key on its path (optimiser state nests the params' names)."""
+    named = [k for k in (getattr(p, "key", getattr(p, "name", None)) for p in path) if isinstance(k, str)]
+    return named[-1] if named else ""
+
+
+def spec_for(name: str, shape: tuple[int, ...], sizes: dict[str, int], fsdp: bool):
+    """The PartitionSpec of one parameter (or optimiser-state) leaf, from its name and shape."""
     from jax.sharding import PartitionSpec as P
 
-    if path and path[-1] in EXPERT_PARAMS and ndim >= 2:
-        return P(None, "expert")
-    return P()
+    return P(*axes_for(name, tuple(shape), sizes, fsdp))
 
 
-def shard_tree(tree, mesh):
-    """Place every leaf of a params / train-state tree on ``mesh`` by its name."""
+def tree_shardings(tree, mesh, fsdp: bool):
+    """The NamedSharding of every array leaf of a params / train-state tree (shapes are enough)."""
     import jax
     from jax.sharding import NamedSharding
 
-    def place(path, leaf):
-        if not hasattr(leaf, "ndim"):
-            return leaf
-        names = tuple(getattr(p, "key", getattr(p, "name", str(p))) for p in path)
-        # optimiser state nests the params' names under its own; the last param name decides
-        named = [n for n in names if isinstance(n, str)]
-        spec = spec_for(tuple(named[-1:]), leaf.ndim) if named else spec_for((), leaf.ndim)
-        if leaf.ndim == 0:
-            spec = spec_for((), 0)
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+    sizes = dict(mesh.shape)
 
-    return jax.tree_util.tree_map_with_path(place, tree)
+    def one(path, leaf):
+        return NamedSharding(mesh, spec_for(_leaf_name(path), tuple(leaf.shape), sizes, fsdp))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shard_tree(tree, mesh, fsdp: bool = False):
+    """Place every leaf of a params / train-state tree on ``mesh`` by its name (``RULES``)."""
+    import jax
+
+    return jax.device_put(tree, tree_shardings(tree, mesh, fsdp))
+
+
+def gathered(tree):
+    """Inside the model: a layer's weights (or the embeddings) gathered over ``data`` for use,
+    experts still split over ``expert``: the ZeRO-3 all-gather, whose transpose in the backward
+    pass is the gradients' reduce-scatter. Nothing without an active FSDP mesh."""
+    if not _FSDP:
+        return tree
+    import jax
+    from jax.sharding import NamedSharding
+
+    sizes = {"expert": _ACTIVE.shape["expert"]}  # `data` taken out: whole over data
+
+    def one(path, leaf):
+        spec = spec_for(_leaf_name(path), tuple(leaf.shape), sizes, True)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(_ACTIVE, spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def batch_sharding(mesh):

@@ -84,7 +84,7 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     diff = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]]
     if ours.train.replans and set(diff) <= {"train.steps", "train.replans"}:
         return ours  # `moelab replan` changed the horizon: the run follows its new plan
-    if set(diff) <= {"mesh.data", "mesh.expert"}:
+    if set(diff) <= {"mesh.data", "mesh.expert", "mesh.fsdp"}:
         # a placement, not a change of the run: resume on another mesh, and record it
         _mesh(cfg)  # refused before the record changes
         run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
@@ -232,8 +232,8 @@ class _Job:
         self.h = optim.hyper(cfg)
         self.opt = optim.make_optimizer(cfg, self.h)
         self.state = init_train_state(cfg, self.opt)
-        if self.mesh is not None:  # routed experts split over `expert`, the rest replicated, batches over both
-            self.state = pmesh.shard_tree(self.state, self.mesh)
+        if self.mesh is not None:  # by the rules table: FSDP over `data`, experts also over `expert`
+            self.state = pmesh.shard_tree(self.state, self.mesh, cfg.mesh.fsdp)
         self.start, self.skip, self.cursor_ok = 0, set(), False
         # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
         self.guard = {"consecutive": 0, "restored": False}
@@ -266,8 +266,9 @@ class _Job:
             epochs=self.mixture.epochs,
         )
         self.fault = _fault_hook(run)
-        pmesh.set_active(self.mesh)  # the train step's MoE blocks trace their transports on this mesh
-        self.step_fn = make_train_step(cfg, self.opt, self.h)
+        pmesh.set_active(self.mesh, cfg.mesh.fsdp)  # the train step traces its transports and gathers on it
+        shardings = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.state)
+        self.step_fn = make_train_step(cfg, self.opt, self.h, shardings)
         self.evaluator = Evaluator(cfg, store)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
         if not cfg.train.peak_flops:
@@ -407,7 +408,7 @@ class _Job:
         try:
             res = self.evaluator(self.state["params"], self.state["model_state"])
         finally:
-            pmesh.set_active(self.mesh)
+            pmesh.set_active(self.mesh, self.cfg.mesh.fsdp)
         rec = {
             "kind": "eval",
             "step": done,

@@ -31,8 +31,12 @@ def _layer_summary(layers: dict) -> dict:
     return out
 
 
-def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper):
+def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper, shardings=None):
+    """``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
+    gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
+    rather than all-reducing whole copies) and the new state to the old state's."""
     m = cfg.model
+    hold = (lambda tree, s: jax.lax.with_sharding_constraint(tree, s)) if shardings is not None else (lambda t, s: t)  # noqa: E731
 
     def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array, faults=None):
         """faults (fault injection): lr_scale, logit_z_scale, freeze_bias; None = none."""
@@ -46,6 +50,7 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
         new_model_state = jax.tree.map(
             lambda new, old: jnp.where(f["freeze_bias"], old, new), new_model_state, state["model_state"]
         )
+        grads = hold(grads, shardings and shardings["params"])
         loss = jnp.where(poison, jnp.nan, loss)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -57,6 +62,7 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
             "opt_state": keep(new_opt_state, state["opt_state"]),
             "model_state": keep(new_model_state, state["model_state"]),
         }
+        new_state = hold(new_state, shardings)
         out = {
             "loss": loss,
             "ce": metrics["ce"],
