@@ -1,0 +1,79 @@
+"""The memory plan against the compiler at Marin's hero width, and the plans for Marin's mesh.
+
+1. Compiler check: the hero's width (d 6144, 384 experts, top 8, vocab 128,256, seq 4096) with 1
+   and 2 layers, compiled ahead of time for 64 simulated CPU devices (data 2 x expert 32, FSDP on,
+   2 sequences per device) on abstract inputs; XLA's per-device totals extended to the hero's 48
+   layers beside the plan's (both in fp32: see parallel/memory.py). The prediction, committed
+   before the first run: benchmarks/results/memory_plan_prediction.md.
+2. Plans (no compile): the hero on Marin's mesh (11 racks x EP64 = 704 GB200s, 16 sequences per
+   GPU) with today's rules and with FSDP, with and without remat; a ladder rung on one 8-GPU node.
+
+Writes benchmarks/results/memory_plan.json. Run: python benchmarks/memory_plan.py [--devices N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HERO_WIDTH = ["model.n_layers=48"]  # the preset's depth; the check compiles 1- and 2-layer copies
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=int, default=2)
+    ap.add_argument("--expert", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    args = ap.parse_args()
+    n = args.data * args.expert
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    from moelab.config import load_config
+    from moelab.parallel import memory
+
+    out = {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename, "cpus": os.cpu_count()}
+    hero = load_config("marin-535b-a23b", HERO_WIDTH)
+    t0 = time.perf_counter()
+    check = memory.compiler_check(hero, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
+    check["seconds"] = time.perf_counter() - t0
+    check["mesh"] = {"data": args.data, "expert": args.expert, "micro_batch": args.micro_batch}
+    out["check"] = check
+    print(
+        f"hero width, {args.data} x {args.expert} devices, {args.micro_batch} sequences each: plan "
+        f"{check['plan_total'] / 1e9:.2f} GB, XLA {check['compiler_total'] / 1e9:.2f} GB (layers "
+        f"{check['layers_compiled']} scaled to 48), ratio {check['ratio']:.3f} in {check['seconds']:.0f} s",
+        flush=True,
+    )
+    plans = {}
+    for name, cfg, mesh, kw in [
+        ("hero, Marin's mesh, replicated rules", load_config(hero, ["mesh.fsdp=false"]), (11, 64), {}),
+        ("hero, Marin's mesh, FSDP", hero, (11, 64), {}),
+        ("hero, Marin's mesh, FSDP, remat layer, ce_chunk 8192",
+         load_config(hero, ["model.remat=layer", "model.ce_chunk=8192"]), (11, 64), {}),
+        ("hero, 8 racks x EP64, FSDP, remat layer, ce_chunk 8192",
+         load_config(hero, ["model.remat=layer", "model.ce_chunk=8192"]), (8, 64), {"micro_batch": 16}),
+        ("ladder d768, one 8-GPU node, FSDP, remat layer, ce_chunk 8192, capacity_group 4096",
+         load_config("marin-ladder-d768", ["model.remat=layer", "model.ce_chunk=8192", "model.capacity_group=4096"]),
+         (8, 1), {}),
+    ]:  # fmt: skip
+        device = "H100" if "node" in name else "GB200"
+        p = memory.plan(cfg, *mesh, device=device, **kw)
+        plans[name] = p
+        print(
+            f"{name}: {p['total'] / 1e9:.1f} GB per device of {p['device_memory'] / 1e9:g} ({device}): "
+            f"{'fits' if p['fits'] else 'does not fit'}; largest micro-batch {p['max_micro_batch']}; "
+            f"state {(p['rows']['parameters'] + p['rows']['optimizer'] + p['rows']['gradients']) / 1e9:.1f} GB, "
+            f"activations {p['rows']['activations'] / 1e9:.1f} GB",
+            flush=True,
+        )
+    out["plans"] = plans
+    (HERE / "results" / "memory_plan.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
