@@ -8,7 +8,8 @@
 2. Plans (no compile): the hero on Marin's mesh (11 racks x EP64 = 704 GB200s, 16 sequences per
    GPU) with today's rules and with FSDP, with and without remat; a ladder rung on one 8-GPU node.
 
-Writes benchmarks/results/memory_plan.json. Run: python benchmarks/memory_plan.py [--devices N]
+Writes benchmarks/results/memory_plan.json. Run: python benchmarks/memory_plan.py [--data D --expert X
+--micro-batch B --out NAME]; `make bench` also runs it on Marin's own mesh (11 x 64 = 704 devices).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--data", type=int, default=2)
     ap.add_argument("--expert", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--out", default="memory_plan.json", help="the file in benchmarks/results/")
     args = ap.parse_args()
     n = args.data * args.expert
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
@@ -71,7 +73,7 @@ def main() -> int:
             flush=True,
         )
     out["plans"] = plans
-    (HERE / "results" / "memory_plan.json").write_text(json.dumps(out, indent=1))
+    (HERE / "results" / args.out).write_text(json.dumps(out, indent=1))
     return 0
 
 

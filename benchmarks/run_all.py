@@ -21,6 +21,8 @@ SCRIPTS = [
     ["health_calibration.py", "runs/bench/forecast/stdlib", "runs/bench/forecast/cheaders"],
     ["store_memory.py"],
     ["first_minute.py"],
+    ["memory_plan.py"],
+    ["memory_plan.py", "--data", "11", "--expert", "64", "--micro-batch", "1", "--out", "memory_plan_704.json"],
 ]
 
 if __name__ == "__main__":

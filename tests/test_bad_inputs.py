@@ -78,6 +78,14 @@ def env(corpus, tmp_path_factory):
 # (arguments, what the line must name); {f}: the bad files, {t}: this case's own directory,
 # {run}: the trained run, {trunc}: a run whose config.json is cut short
 CASES = [
+    # the memory plan
+    ("plan memory tiny --mesh data=2,expert=x", "--mesh"),
+    ("plan memory tiny --mesh nodes=4", "--mesh"),
+    ("plan memory tiny --mesh data=2,expert=3", "expert=3 does not divide"),
+    ("plan memory tiny --mesh data=3", "train.batch_size=16 does not split"),
+    ("plan memory tiny --mesh data=2 --device A100", "--device"),
+    ("plan memory tiny --mesh data=2 --device-memory -4", "--device-memory"),
+    ("plan memory tiny --mesh data=2 --micro-batch 0", "--micro-batch"),
     # configs
     ("train {f}/list.yaml --out {t}/o", "list.yaml"),
     ("train {f}/latin.yaml --out {t}/o", "latin.yaml"),

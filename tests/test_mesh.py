@@ -25,26 +25,32 @@ def _no_mesh_left_behind():
 
 def test_rules_by_hand():
     sizes = {"data": 4, "expert": 2}
-    # FSDP: d_model over data, experts over expert and their hidden dim over data
-    assert pmesh.axes_for("wq", (3, 64, 128), sizes, True) == (None, "data", None)
-    assert pmesh.axes_for("wo", (3, 128, 64), sizes, True) == (None, None, "data")
-    assert pmesh.axes_for("w_gate", (3, 8, 32, 16), sizes, True) == (None, "expert", None, "data")
+    both = ("data", "expert")
+    # FSDP: d_model over every device when it divides; experts over expert, their hidden dim over data
+    assert pmesh.axes_for("wq", (3, 64, 128), sizes, True) == (None, both, None)
+    assert pmesh.axes_for("wo", (3, 128, 64), sizes, True) == (None, None, both)
+    assert pmesh.axes_for("w_gate", (3, 8, 32, 16), sizes, True) == (None, "expert", "data", None)
     assert pmesh.axes_for("w_down", (3, 8, 16, 32), sizes, True) == (None, "expert", "data", None)
-    assert pmesh.axes_for("embed", (512, 64), sizes, True) == (None, "data")
-    assert pmesh.axes_for("head", (64, 512), sizes, True) == ("data", None)
+    assert pmesh.axes_for("embed", (512, 64), sizes, True) == (None, both)
+    assert pmesh.axes_for("head", (64, 512), sizes, True) == (both, None)
     # one layer's slice of a stacked weight keeps its names; norms, router output and bias stay whole
-    assert pmesh.axes_for("w_up", (8, 32, 16), sizes, True) == ("expert", None, "data")
+    assert pmesh.axes_for("w_up", (8, 32, 16), sizes, True) == ("expert", "data", None)
     assert pmesh.axes_for("attn_norm", (3, 64), sizes, True) == (None, None)
-    assert pmesh.axes_for("router", (3, 64, 8), sizes, True) == (None, "data", None)
+    assert pmesh.axes_for("router", (3, 64, 8), sizes, True) == (None, both, None)
     assert pmesh.axes_for("router_bias", (3, 8), sizes, True) == (None, None)
-    # an axis that does not divide its dimension leaves it whole; an unknown leaf is replicated
-    assert pmesh.axes_for("wq", (3, 66, 128), sizes, True) == (None, None, None)
-    assert pmesh.axes_for("w_gate", (3, 7, 32, 16), sizes, True) == (None, None, None, "data")
+    # the next candidate when an axis does not divide: d 12 over data (4), d 6 over expert (2), d 7 whole;
+    # an expert whose input dim does not divide shards its hidden dim; an unknown leaf is replicated
+    assert pmesh.axes_for("wq", (3, 12, 128), sizes, True) == (None, "data", None)
+    assert pmesh.axes_for("wq", (3, 6, 128), sizes, True) == (None, "expert", None)
+    assert pmesh.axes_for("wq", (3, 7, 128), sizes, True) == (None, None, None)
+    assert pmesh.axes_for("w_gate", (3, 8, 6, 16), sizes, True) == (None, "expert", None, "data")
+    assert pmesh.axes_for("w_gate", (3, 7, 6, 16), sizes, True) == (None, None, None, "data")
     assert pmesh.axes_for("count", (), sizes, True) == ()
     # without FSDP (the rules before it): experts over expert, the rest replicated
     assert pmesh.axes_for("w_gate", (3, 8, 32, 16), sizes, False) == (None, "expert", None, None)
     assert pmesh.axes_for("wq", (3, 64, 128), sizes, False) == (None, None, None)
-    assert pmesh.shards_of((None, "expert", None, "data"), sizes) == 8
+    assert pmesh.shards_of((None, "expert", "data", None), sizes) == 8
+    assert pmesh.shards_of((None, both, None), sizes) == 8
 
 
 def _batch(cfg, seed):
@@ -86,9 +92,8 @@ def test_fsdp_step_equals_single_device(shape, case):
 
     mesh = pmesh.auto_mesh(*shape)
     sharded = pmesh.shard_tree(jax.tree.map(jnp.asarray, host), mesh, fsdp=True)
-    data = shape[0]
-    wq = sharded["params"]["layers"]["wq"]  # FSDP is on: each device holds 1/data of d_model
-    assert wq.addressable_shards[0].data.shape[1] == cfg.model.d_model // data
+    wq = sharded["params"]["layers"]["wq"]  # FSDP is on: each device holds 1/8 of d_model
+    assert wq.addressable_shards[0].data.shape[1] == cfg.model.d_model // 8
     pmesh.set_active(mesh, fsdp=True)
     shardings = jax.tree.map(lambda x: x.sharding, sharded)
     b = pmesh.put_batch(batch, mesh)
@@ -125,5 +130,5 @@ def test_fsdp_checkpoints_restore_across_meshes(tmp_path, saved, restored):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding.is_equivalent_to(t.sharding, b.ndim)
     wq = back["params"]["layers"]["wq"]
-    want = cfg.model.d_model // (1 if restored is None else restored[0])
+    want = cfg.model.d_model // (1 if restored is None else 8)
     assert wq.addressable_shards[0].data.shape[1] == want

@@ -490,9 +490,26 @@ def test_mfu_is_per_device_against_the_compute_dtype_peak(corpus, tmp_path):
     recs = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
     for r in recs[1:]:  # the first log step timed nothing (it compiled)
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / (1e11 * 8), rel=1e-9)  # eight devices
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 8, rel=1e-12)
+        assert r["flops_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 8 * per_token, rel=1e-12)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["devices"] == 8 and summary["peak_flops"] == 1e11
+    assert summary["devices"] == 8 and summary["peak_flops"] == 1e11 and summary["peak_source"] == "train.peak_flops"
+    assert summary["flops_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / 8 * per_token, rel=1e-12)
     assert matmul_peak(sizes=(256,), repeats=1, dtype="bfloat16") > 0  # the compute dtype's own peak is measured
+
+
+def test_the_published_peaks_by_device_kind():
+    from moelab import devices
+    from moelab.config import load_config
+    from moelab.train.loop import device_peak
+
+    assert devices.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert devices.peak_flops("NVIDIA GB200", "bfloat16") == 2.5e15
+    assert devices.peak_flops("TPU v5p", "float32") is None  # TPUs publish no fp32 matmul peak
+    assert devices.peak_flops("TPU v5 lite", "bfloat16") is None  # v5e is not v5p
+    assert devices.lookup("tpu-v6e").memory_gb == 32 and devices.lookup("gb200").memory_gb == 192
+    peak, source = device_peak(load_config("tiny", ["train.peak_flops=2e11"]))
+    assert (peak, source) == (2e11, "train.peak_flops")
 
 
 def test_the_matmul_peak_is_measured_once_a_week_per_machine(tmp_path, monkeypatch):

@@ -43,8 +43,11 @@ def print_summary(summary: dict) -> None:
                 f" {final['bpb'][d]:>10.4f}"
             )
     if "final_loss" in summary:
+        n_dev = summary.get("devices", 1)
+        per = f" ({summary['tokens_per_s_per_device']:,.0f} per device)" if n_dev > 1 else ""
+        source = summary.get("peak_source", "the measured matmul peak")
         speed = (
-            f"{summary['tokens_per_s']:,.0f} tokens/s; MFU {summary['mfu']:.1%} of the measured matmul peak"
+            f"{summary['tokens_per_s']:,.0f} tokens/s{per}; MFU {summary['mfu']:.1%} of {source}"
             if "tokens_per_s" in summary
             else "speed not measured (every step compiled; run more steps to time them)"
         )

@@ -89,7 +89,11 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
 
 
 def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, dispatch: str, capture: bool):
-    """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step)."""
+    """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step).
+
+    Under FSDP the layer's weights are gathered here, inside any rematerialised region: a
+    recomputed layer gathers them again rather than keeping every layer's whole weights alive."""
+    p = pmesh.gathered(p)
     h = rms_norm(x, p["attn_norm"], m.norm_eps)
     with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
         a = attention(
@@ -133,7 +137,7 @@ def _remat_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispa
         p_stack, bias_stack = xs
         metrics, biases = [], []
         for j in range(period):
-            p = pmesh.gathered(jax.tree.map(lambda a, j=j: a[j], p_stack))
+            p = jax.tree.map(lambda a, j=j: a[j], p_stack)
             x, met, bias = _layer(x, p, bias_stack[j], i=j, m=m, dispatch=dispatch, capture=capture)
             metrics.append(met)
             biases.append(bias)
@@ -163,7 +167,7 @@ def forward(
     if m.remat == "layer":
         x, first, layer_metrics, new_bias = _remat_layers(params, state, x, m, dispatch, capture)
     for i in range(first, m.n_layers):  # unrolled: local and global layers differ in window and kv heads
-        p = pmesh.gathered(jax.tree.map(lambda a, i=i: a[i], params["layers"]))  # FSDP: this layer's, whole
+        p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
         one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)
         if m.remat == "layer":
             one = jax.checkpoint(one)

@@ -47,25 +47,35 @@ LOGICAL: dict[str, tuple[str, ...]] = {
     "router_bias": ("layers", "router_out"),
 }
 
-# logical name -> mesh axis; a name not in the table is replicated. Norms, the router's output
-# (every token scores every expert) and the router bias stay whole: they are small.
-RULES: dict[str, str] = {"experts": "expert", "embed": "data", "expert_mlp": "data"}
-RULES_REPLICATED: dict[str, str] = {"experts": "expert"}  # mesh.fsdp: false (and moelab before FSDP)
+# logical name -> the mesh axes to shard it over, in order of preference: the first that divides the
+# dimension (and that no earlier dimension of the leaf took) wins. A name not in the table is
+# replicated. FSDP shards the other weights over every device where the dimension allows (both
+# axes), else over `data`, else over `expert` (one EP group, replicated across the others: no
+# JAX sharding may leave a remainder); experts over `expert` and their hidden dimension over
+# `data`. Norms, the router's output (every token scores every expert) and the router bias stay
+# whole: they are small.
+RULES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "experts": (("expert",),),
+    "embed": (("data", "expert"), ("data",), ("expert",)),
+    "expert_mlp": (("data",),),
+    "expert_in": (("data",),),
+}
+RULES_REPLICATED: dict[str, tuple[tuple[str, ...], ...]] = {"experts": (("expert",),)}  # mesh.fsdp: false
 
 _ACTIVE = None  # the mesh the model's MoE blocks run their transports on (None: one device)
 _FSDP = False  # whether the active mesh shards parameters over `data` (weights gathered at use)
 
 
-def rules(fsdp: bool) -> dict[str, str]:
+def rules(fsdp: bool) -> dict[str, tuple[tuple[str, ...], ...]]:
     return RULES if fsdp else RULES_REPLICATED
 
 
-def axes_for(name: str, shape: tuple[int, ...], sizes: dict[str, int], fsdp: bool) -> tuple[str | None, ...]:
-    """The mesh axis of each dimension of leaf ``name`` with ``shape`` on a mesh of axis ``sizes``.
+def axes_for(name: str, shape: tuple[int, ...], sizes: dict[str, int], fsdp: bool) -> tuple:
+    """The mesh axes of each dimension of leaf ``name`` with ``shape`` on a mesh of axis ``sizes``:
+    None (whole), one axis name, or a tuple of axes (split over their product).
 
     A name not in ``LOGICAL``, or a leaf whose rank is not its logical rank (nor one less: a
-    per-layer slice), is replicated; a dimension its axis does not divide, or whose axis an
-    earlier dimension took, stays whole."""
+    per-layer slice), is replicated; a dimension none of its candidates divides stays whole."""
     names = LOGICAL.get(name)
     if names is None or len(shape) not in (len(names), len(names) - 1):
         return (None,) * len(shape)
@@ -73,18 +83,21 @@ def axes_for(name: str, shape: tuple[int, ...], sizes: dict[str, int], fsdp: boo
         names = names[1:]  # one layer's slice of a stacked weight
     table, used, out = rules(fsdp), set(), []
     for dim, logical in zip(shape, names, strict=True):
-        axis = table.get(logical)
-        if axis is None or axis in used or sizes.get(axis, 1) <= 1 or dim % sizes[axis]:
-            out.append(None)
-            continue
-        used.add(axis)
-        out.append(axis)
+        choice = None
+        for axes in table.get(logical, ()):
+            n = math.prod(sizes.get(a, 1) for a in axes)
+            if n > 1 and not used & set(axes) and dim % n == 0:
+                choice = axes[0] if len(axes) == 1 else axes
+                used.update(axes)
+                break
+        out.append(choice)
     return tuple(out)
 
 
-def shards_of(axes: tuple[str | None, ...], sizes: dict[str, int]) -> int:
+def shards_of(axes: tuple, sizes: dict[str, int]) -> int:
     """How many pieces a leaf with these dimension axes is cut into (its bytes per device: size / this)."""
-    return math.prod(sizes[a] for a in axes if a is not None)
+    flat = [a for x in axes if x is not None for a in ((x,) if isinstance(x, str) else x)]
+    return math.prod(sizes[a] for a in flat)
 
 
 def request_devices(n: int) -> None:
@@ -117,12 +130,14 @@ def make_mesh(mesh_cfg, n_routed: int):
     return auto_mesh(mesh_cfg.data, mesh_cfg.expert)
 
 
-def auto_mesh(data: int, expert: int):
-    """A (data, expert) mesh whose axes XLA shards automatically outside the transports."""
+def auto_mesh(data: int, expert: int, devices=None):
+    """A (data, expert) mesh (of all devices, or ``devices``) whose axes XLA shards automatically
+    outside the transports."""
     import jax
     from jax.sharding import AxisType
 
-    return jax.make_mesh((data, expert), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto))
+    kw = {} if devices is None else {"devices": devices}
+    return jax.make_mesh((data, expert), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto), **kw)
 
 
 def set_active(mesh, fsdp: bool = False) -> None:
@@ -181,10 +196,10 @@ def gathered(tree):
     import jax
     from jax.sharding import NamedSharding
 
-    sizes = {"expert": _ACTIVE.shape["expert"]}  # `data` taken out: whole over data
+    sizes = dict(_ACTIVE.shape)
 
-    def one(path, leaf):
-        spec = spec_for(_leaf_name(path), tuple(leaf.shape), sizes, True)
+    def one(path, leaf):  # the compute placement: experts split over `expert`, everything else whole
+        spec = spec_for(_leaf_name(path), tuple(leaf.shape), sizes, False)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(_ACTIVE, spec))
 
     return jax.tree_util.tree_map_with_path(one, tree)

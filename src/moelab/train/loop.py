@@ -271,9 +271,7 @@ class _Job:
         self.step_fn = make_train_step(cfg, self.opt, self.h, shardings)
         self.evaluator = Evaluator(cfg, store)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
-        if not cfg.train.peak_flops:
-            say(f"this machine's {cfg.model.compute_dtype} matmul peak, for MFU (measured once a week)", self.progress)
-        self.peak = cfg.train.peak_flops or cached_matmul_peak(dtype=cfg.model.compute_dtype)
+        self.peak, self.peak_source = device_peak(cfg, self.progress)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
         self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
         self.evals = eval_points(cfg, steps)
@@ -352,7 +350,7 @@ class _Job:
         self.bar.close()
 
     def finish(self) -> dict:
-        summary = summarize(self.run, self.cfg, self.peak)
+        summary = summarize(self.run, self.cfg, self.peak, self.peak_source)
         self.run.summary.write_text(json.dumps(summary, indent=1))
         self.run.event("end", step=self.steps, summary=summary)
         return summary
@@ -442,10 +440,13 @@ class _Job:
             m = jax.device_get(metrics)
             t_sum, n = timing
             tps = n * self.b * self.s_len / t_sum if n else float("nan")
+            per_device = tps / self.n_devices
             extra = {
                 "tokens_per_s": tps,
+                "tokens_per_s_per_device": per_device,
+                "flops_per_s_per_device": per_device * self.flops_per_token,
                 "step_time": t_sum / n if n else float("nan"),
-                "mfu": tps * self.flops_per_token / (self.peak * self.n_devices),
+                "mfu": per_device * self.flops_per_token / self.peak if self.peak else float("nan"),
                 "phase": self.mixture.phase_at(done - 1),
             }
             self.record(_train_record(done, cfg, m, extra))
@@ -460,7 +461,27 @@ class _Job:
             self.save(done)
 
 
-def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:
+def device_peak(cfg: Config, progress: bool = False) -> tuple[float | None, str]:
+    """One device's peak FLOP/s in the compute dtype, for MFU, and where it comes from:
+    ``train.peak_flops``, the published table (moelab/devices.py) for a known accelerator, or the
+    measured matmul rate on a CPU. None (MFU not reported) for an accelerator not in the table."""
+    from moelab import devices
+
+    dtype = cfg.model.compute_dtype
+    if cfg.train.peak_flops:
+        return float(cfg.train.peak_flops), "train.peak_flops"
+    kind = jax.devices()[0].device_kind
+    published = devices.peak_flops(kind, dtype)
+    if published:
+        return published, f"published {dtype} peak of {devices.of_kind(kind).name}"
+    if jax.default_backend() == "cpu":
+        say(f"this machine's {dtype} matmul peak, for MFU (measured once a week)", progress)
+        return cached_matmul_peak(dtype=dtype), f"measured {dtype} matmul rate of this CPU"
+    say(f"no published {dtype} peak for {kind!r}: MFU is not reported; set train.peak_flops", progress)
+    return None, "unknown"
+
+
+def summarize(run: RunDir, cfg: Config, peak: float | None = None, peak_source: str = "") -> dict:
     recs = [json.loads(x) for x in run.metrics.read_text().splitlines() if x.strip()]
     train_recs = [r for r in recs if r["kind"] == "train"]
     eval_recs = [r for r in recs if r["kind"] == "eval"]
@@ -478,11 +499,17 @@ def summarize(run: RunDir, cfg: Config, peak: float | None = None) -> dict:
         ]
         if timed:
             out["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in timed]))
+            n_dev = cfg.mesh.data * cfg.mesh.expert
+            out["tokens_per_s_per_device"] = out["tokens_per_s"] / n_dev
+            out["flops_per_s_per_device"] = (
+                out["tokens_per_s_per_device"] * 3 * accounting.count(cfg).forward_flops_per_token
+            )
             out["mfu"] = float(np.median([r["mfu"] for r in timed]))
     if eval_recs:
         out["first_eval"] = {"loss": eval_recs[0]["loss"], "bpb": eval_recs[0]["bpb"]}
         out["final_eval"] = {k: eval_recs[-1][k] for k in ("loss", "bpb", "loss_dropless", "bpb_dropless")}
     if peak:
         out["peak_flops"] = peak  # one device's, in the compute dtype; MFU is per device
-        out["devices"] = cfg.mesh.data * cfg.mesh.expert
+        out["peak_source"] = peak_source
+    out["devices"] = cfg.mesh.data * cfg.mesh.expert
     return out

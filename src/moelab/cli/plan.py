@@ -1,0 +1,128 @@
+"""`moelab plan memory`: what one device holds of a train step on a mesh, and whether it fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moelab.cli.common import add_config_args, positive_int
+from moelab.config import load_config
+from moelab.errors import UsageError
+
+ROW_NAMES = {
+    "parameters": "parameters (fp32) + router state",
+    "optimizer": "optimizer state",
+    "gradients": "gradients (fp32)",
+    "gathered_weights": "gathered weights (compute copy, FSDP)",
+    "activations": "activations",
+    "all_to_all": "all-to-all send + receive buffers",
+    "logits_and_loss": "logits and loss buffers",
+    "inputs": "input tokens",
+}
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``data=D,expert=X`` (either may be left out: 1)."""
+    sizes = {"data": 1, "expert": 1}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in sizes:
+            raise UsageError(f"--mesh: expected data=D,expert=X, got {text!r}")
+        try:
+            sizes[key.strip()] = int(value)
+        except ValueError:
+            raise UsageError(f"--mesh: {key.strip()} must be a whole number, got {value!r}") from None
+        if sizes[key.strip()] < 1:
+            raise UsageError(f"--mesh: {key.strip()} must be >= 1, got {value}")
+    return sizes["data"], sizes["expert"]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:10.2f}"
+
+
+def cmd_plan_memory(args: argparse.Namespace) -> int:
+    data, expert = parse_mesh(args.mesh)
+    if args.device is not None and args.device_memory is not None:
+        raise UsageError("--device-memory: give either --device or --device-memory, not both")
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise UsageError(f"--device-memory: must be > 0 GB, got {args.device_memory:g}")
+    if args.check:  # simulated CPU devices for the compile, before JAX starts
+        n = data * expert
+        if "jax" in sys.modules:
+            import jax
+
+            if jax.device_count() < n:
+                raise UsageError(f"--check: the mesh needs {n} devices and JAX already runs with {jax.device_count()}")
+        else:
+            from moelab.parallel.mesh import request_devices
+
+            request_devices(n)
+    from moelab.parallel import memory
+
+    cfg = load_config(args.config, args.overrides)
+    out = memory.plan(
+        cfg, data, expert, micro_batch=args.micro_batch, device=args.device, device_memory_gb=args.device_memory
+    )
+    if args.check:
+        out["check"] = memory.compiler_check(cfg, data, expert, micro_batch=out["micro_batch"], progress=not args.json)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    mesh = out["mesh"]
+    print(
+        f"{out['config'] or args.config} on data={data} x expert={expert} ({mesh['devices']} devices, "
+        f"FSDP {'on' if mesh['fsdp'] else 'off'}), {out['micro_batch']} sequences "
+        f"({out['tokens_per_device']:,} tokens) per device, remat {out['remat']}"
+    )
+    print(f"  {'per device':<40} {'GB':>10}")
+    for key, value in out["rows"].items():
+        print(f"  {ROW_NAMES[key]:<40} {_gb(value)}")
+    print(f"  {'workspace margin (' + str(int(memory.MARGIN * 100)) + '%)':<40} {_gb(out['workspace_margin'])}")
+    print(f"  {'total':<40} {_gb(out['total'])}")
+    if out["whole_over_data"]:
+        print(
+            f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: those stay whole "
+            f"over data (JAX shardings leave no remainder)"
+        )
+    acts = out["activations_by_remat"]
+    print("  activations by remat: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in acts.items()))
+    if out["device_memory"] is not None:
+        name = out["device"] or "the device"
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        print(f"  {verdict} in {name} ({out['device_memory'] / 1e9:g} GB)")
+        mb = out.get("max_micro_batch")
+        print(
+            f"  largest micro-batch that fits: {mb} sequences per device"
+            if mb
+            else "  no micro-batch fits: not even one sequence per device"
+        )
+    if "check" in out:
+        c = out["check"]
+        print(
+            f"  compiler check ({c['compute_dtype']}; layers {c['layers_compiled']} compiled, scaled to "
+            f"{cfg.model.n_layers}): plan {c['plan_total'] / 1e9:.3f} GB, XLA {c['compiler_total'] / 1e9:.3f} GB, "
+            f"ratio {c['ratio']:.3f} ({'within' if c['within_15pct'] else 'OUTSIDE'} 15%)"
+        )
+        if c["global_dispatch"]:
+            print("  note: each device dispatches the whole batch here (dropless or capacity_group 0 without EP);")
+            print("  the plan counts that whole, an upper bound")
+    return 0
+
+
+def register(sub) -> None:
+    plan = sub.add_parser("plan", help="plans before booking machines: memory per device")
+    plans = plan.add_subparsers(dest="plan_command", required=True)
+    p = plans.add_parser(
+        "memory",
+        help="per-device memory of a train step on a mesh: parameters, optimizer, gradients, activations, buffers",
+    )
+    add_config_args(p)
+    p.add_argument("--mesh", required=True, help="the mesh, data=D,expert=X (devices = D x X)")
+    p.add_argument("--device", help="H100, H200, GB200, TPU-v5p or TPU-v6e: its memory is the budget")
+    p.add_argument("--device-memory", type=float, help="the budget in GB (1e9 bytes), for a device not in the table")
+    p.add_argument("--micro-batch", type=positive_int, help="sequences per device (default train.batch_size / devices)")
+    p.add_argument("--check", action="store_true", help="compile the step on simulated CPU devices and compare")
+    p.add_argument("--json", action="store_true", help="one JSON object (with a boolean `fits`)")
+    p.set_defaults(func=cmd_plan_memory)

@@ -1,0 +1,58 @@
+"""Accelerators moelab plans for: memory per device and published dense peaks per compute dtype.
+
+Memory in GB (1e9 bytes) as sold; peaks in FLOP/s, dense (no sparsity), from the vendors' data
+sheets: H100 and H200 SXM (989 TFLOP/s bf16, 67 fp32), GB200 per Blackwell GPU (NVL72's 180
+PFLOP/s bf16 and 5,760 TFLOP/s fp32 over 72 GPUs), TPU v5p (459 bf16) and v6e (918 bf16). TPUs
+publish no fp32 matmul peak: MFU in fp32 there needs ``train.peak_flops``. On a CPU the peak is
+measured (``train.record.cached_matmul_peak``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gb: float
+    peak: dict[str, float]  # compute dtype -> FLOP/s
+    kinds: tuple[str, ...]  # substrings of jax's device_kind that name it (lower case)
+
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("H100", 80, {"bfloat16": 989e12, "float32": 67e12}, ("h100",)),
+        Device("H200", 141, {"bfloat16": 989e12, "float32": 67e12}, ("h200",)),
+        Device("GB200", 192, {"bfloat16": 2.5e15, "float32": 80e12}, ("gb200", "b200")),
+        Device("TPU v5p", 95, {"bfloat16": 459e12}, ("tpu v5p", "tpu v5")),
+        Device("TPU v6e", 32, {"bfloat16": 918e12}, ("tpu v6e", "tpu v6 lite", "tpu v6")),
+    )
+}
+
+
+def lookup(name: str) -> Device | None:
+    """A device by its table name, case and spaces aside (``gb200``, ``tpu-v5p`` and ``TPU v5p`` alike)."""
+    key = name.lower().replace("-", " ").replace("_", " ").strip()
+    for d in DEVICES.values():
+        if key.replace(" ", "") == d.name.lower().replace(" ", ""):
+            return d
+    return None
+
+
+def of_kind(device_kind: str) -> Device | None:
+    """The table's device for a jax ``device_kind`` ("NVIDIA H100 80GB HBM3", "TPU v5p"...), else None."""
+    kind = device_kind.lower()
+    if "v5 lite" in kind or "v5e" in kind:  # v5e is not v5p
+        return None
+    for d in DEVICES.values():
+        if any(k in kind for k in d.kinds):
+            return d
+    return None
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    """The published dense peak of a jax device kind in ``dtype``; None when the table has none."""
+    d = of_kind(device_kind)
+    return None if d is None else d.peak.get(dtype)

@@ -1,0 +1,474 @@
+"""Per-device memory of a train step on a ``data`` x ``expert`` mesh: planned from the config, and
+checked against the compiler (``compiler_check``).
+
+Rows, in bytes per device (``plan``):
+
+- ``parameters``: fp32 master weights under the rules table (``parallel/mesh.py``), with the
+  router-bias state; ``optimizer``: the optimiser's state (AdamW's two moments; Muon's momentum
+  with AdamW's moments for the rest) under the same rules; ``gradients``: fp32, as the parameters.
+  These three come from the state's abstract shapes (``jax.eval_shape``): exact.
+- ``gathered weights``: what the step holds of weights beyond their shards: the compute-dtype copy
+  of the parameters (when that is not fp32), each layer's weights whole over ``data`` under FSDP
+  (every layer's without ``remat``, whose matmuls keep them for the backward pass; one
+  rematerialised block's with it), and the largest of them, or of the embedding and head, as an
+  fp32 gradient before its reduce-scatter.
+- ``activations``: what the backward pass keeps, traced from the model itself: JAX's residuals of
+  each layer at this micro-batch (the arguments excluded), abstract shapes only. With
+  ``model.remat: layer`` the saved block inputs plus one recomputed block's residuals.
+- ``all-to-all buffers`` (expert parallel): send and receive buffers of one MoE layer's dispatch
+  and return, ``E * C`` rows each (``C`` the per-sender slots of ``parallel/ep.py``).
+- ``logits and loss``: the head's residuals and its [tokens or ``ce_chunk``, vocab] fp32
+  logits and their gradient.
+- ``workspace margin``: ``MARGIN`` of the rest, for XLA's scratch space and fragmentation. The
+  compiler check compares the plan without it.
+
+Token-major rows are per device: the micro-batch is ``--micro-batch`` sequences on each device
+(default ``train.batch_size / devices``). moelab has no gradient accumulation yet, so a
+micro-batch below that is a smaller global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moelab import devices
+from moelab.config import Config, load_config
+from moelab.errors import UsageError
+from moelab.parallel import mesh as pmesh
+
+MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
+GB = 1e9
+ROWS = (
+    "parameters",
+    "optimizer",
+    "gradients",
+    "gathered_weights",
+    "activations",
+    "all_to_all",
+    "logits_and_loss",
+    "inputs",
+)
+
+
+def _itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def _abstract_state(cfg: Config):
+    """(optimiser, the train state's abstract shapes): nothing is allocated."""
+    import jax
+
+    from moelab.train import optim
+    from moelab.train.step import init_train_state
+
+    opt = optim.make_optimizer(cfg, optim.hyper(cfg))
+    return opt, jax.eval_shape(lambda: init_train_state(cfg, opt))
+
+
+def tree_bytes(tree, sizes: dict[str, int], fsdp: bool) -> int:
+    """Bytes one device holds of a tree placed by the rules table (``parallel.mesh.axes_for``)."""
+    import jax
+
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        axes = pmesh.axes_for(pmesh._leaf_name(path), tuple(leaf.shape), sizes, fsdp)
+        total += math.prod(leaf.shape) * _itemsize(leaf.dtype) // pmesh.shards_of(axes, sizes)
+    return total
+
+
+def residual_bytes(f, *args) -> int:
+    """Bytes of what ``jax.vjp(f, *args)`` keeps for the backward pass, its own arguments excluded
+    (each kept value counted once); traced on abstract shapes, nothing runs."""
+    import jax
+
+    leaves, tree = jax.tree_util.tree_flatten(args)
+
+    def flat(*xs):
+        return f(*jax.tree_util.tree_unflatten(tree, xs))
+
+    closed, shapes = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True)(*leaves)
+    n_res = len(jax.tree_util.tree_leaves(shapes[1]))
+    jaxpr = closed.jaxpr
+    args_in = {id(v) for v in jaxpr.invars}
+    seen, total = set(), 0
+    for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :]:
+        if not hasattr(v, "aval") or id(v) in args_in or id(v) in seen or not hasattr(v.aval, "shape"):
+            continue
+        seen.add(id(v))
+        total += math.prod(v.aval.shape) * _itemsize(v.aval.dtype)
+    return total
+
+
+def _traced_model(cfg: Config, expert: int):
+    """The model config the activations are traced with: one device's dispatch with as many expert
+    rows as the expert-parallel transport computes on (dropless there gives every sender C = its tokens)."""
+    m = cfg.model
+    if expert > 1:
+        cf = float(m.n_routed) if m.dispatch == "dropless" else m.capacity_factor
+        m = dataclasses.replace(m, dispatch="capacity", capacity_factor=cf, capacity_group=0)
+    return m
+
+
+def _layer_inputs(m, b: int):
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.model.transformer import FP32_PARAMS, param_shapes
+
+    dt = jnp.dtype(m.compute_dtype)
+    shapes = param_shapes(m)["layers"]
+    p = {k: jax.ShapeDtypeStruct(v[1:], jnp.float32 if k in FP32_PARAMS else dt) for k, v in shapes.items()}
+    x = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
+    return x, p, jax.ShapeDtypeStruct((m.n_routed,), jnp.float32)
+
+
+def _layer_residuals(cfg: Config, expert: int, b: int, layer: int) -> int:
+    """What the backward pass keeps of layer ``layer`` at ``b`` sequences (one device's dispatch)."""
+    from moelab.model.transformer import _layer
+
+    m = _traced_model(cfg, expert)
+
+    def f(x, p, bias):
+        y, metrics, _ = _layer(x, p, bias, i=layer, m=m, dispatch=m.dispatch, capture=False)
+        return y, metrics["aux_loss"], metrics["router_z"]
+
+    return residual_bytes(f, *_layer_inputs(m, b))
+
+
+def _moe_residuals(cfg: Config, b: int) -> int:
+    """What the backward pass keeps of one MoE block at ``b`` sequences."""
+    from moelab.model.moe import moe_block
+
+    m = cfg.model
+
+    def f(x, p, bias):
+        y, metrics, _ = moe_block(p, x, bias, m, m.dispatch)
+        return y, metrics["aux_loss"], metrics["router_z"]
+
+    return residual_bytes(f, *_layer_inputs(m, b))
+
+
+def global_dispatch(cfg: Config, n_dev: int, expert: int, b: int) -> bool:
+    """Whether each device runs the one-device dispatch over the whole batch: data parallel without
+    expert parallelism, with dropless dispatch or a capacity group larger than a device's tokens
+    (``capacity_group: 0`` is the whole batch). XLA then partitions its sorts poorly and every
+    device keeps the dispatch's buffers for all the mesh's tokens (measured against the compiler)."""
+    m = cfg.model
+    if expert > 1 or n_dev == 1 or m.n_routed == 0:
+        return False
+    return m.dispatch == "dropless" or m.capacity_group == 0 or m.capacity_group > b * m.seq_len
+
+
+def _head_residuals(cfg: Config, b: int) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.model.transformer import ce_terms
+
+    m = cfg.model
+    dt = jnp.dtype(m.compute_dtype)
+    hidden = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
+    head = jax.ShapeDtypeStruct((m.d_model, m.vocab_size), dt)
+    targets = jnp.zeros((b, m.seq_len), jnp.int32)
+
+    def f(hidden, head):
+        lse, tgt = ce_terms({"head": head}, hidden, targets, m.ce_chunk)
+        return jnp.sum(lse - tgt)
+
+    return residual_bytes(f, hidden, head)
+
+
+def _remat_blocks(m) -> tuple[int, int, int]:
+    """How ``model.remat: layer`` runs (model/transformer.py): (layers per scanned block, scanned
+    layers, layers rematerialised one by one)."""
+    period = m.global_every if m.sliding_window and m.global_every > 0 else 1
+    n_full = m.n_layers // period * period
+
+    def same(i):
+        return (m.is_global(i), m.layer_kv_heads(i)) == (m.is_global(i % period), m.layer_kv_heads(i % period))
+
+    if n_full < 2 * period or not all(same(i) for i in range(n_full)):
+        return 1, 0, m.n_layers
+    return period, n_full, m.n_layers - n_full
+
+
+def _kinds(m) -> dict[tuple, list[int]]:
+    """Layers grouped by what changes their activations: (global?, kv heads)."""
+    out: dict[tuple, list[int]] = {}
+    for i in range(m.n_layers):
+        out.setdefault((m.is_global(i), m.layer_kv_heads(i)), []).append(i)
+    return out
+
+
+def _layer_weight_bytes(cfg: Config, sizes: dict[str, int]) -> tuple[int, int]:
+    """(one layer's weights whole over ``data`` in the compute dtype, as fp32) on one device."""
+    import jax.numpy as jnp
+
+    from moelab.model.transformer import FP32_PARAMS, param_shapes
+
+    m = cfg.model
+    compute = fp32 = 0
+    for name, shape in param_shapes(m)["layers"].items():  # placed for compute: experts over `expert` only
+        n = math.prod(shape[1:]) // pmesh.shards_of(pmesh.axes_for(name, shape[1:], sizes, False), sizes)
+        compute += n * (4 if name in FP32_PARAMS else jnp.dtype(m.compute_dtype).itemsize)
+        fp32 += n * 4
+    return compute, fp32
+
+
+def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> dict[str, int]:
+    """The rows that grow with the micro-batch ``b`` (sequences per device)."""
+    import jax.numpy as jnp
+
+    from moelab.parallel.ep import slots_per_expert
+
+    m = cfg.model
+    dt = jnp.dtype(m.compute_dtype).itemsize
+    tokens = b * m.seq_len
+    res = {kind: _layer_residuals(cfg, sizes["expert"], b, layers[0]) for kind, layers in _kinds(m).items()}
+    n_dev = sizes["data"] * sizes["expert"]
+    if global_dispatch(cfg, n_dev, sizes["expert"], b):  # the MoE block's buffers for the whole batch
+        extra = _moe_residuals(cfg, b * n_dev) - _moe_residuals(cfg, b)
+        res = {kind: r + extra for kind, r in res.items()}
+    per_layer = [res[(m.is_global(i), m.layer_kv_heads(i))] for i in range(m.n_layers)]
+    if m.remat == "layer":
+        period, n_full, single = _remat_blocks(m)
+        saved = (n_full // period + single) * tokens * m.d_model * dt  # each block's input
+        block = max(sum(per_layer[j : j + period]) for j in range(0, max(n_full, 1), period)) if n_full else 0
+        activations = saved + max(block, max(per_layer))
+    else:
+        activations = sum(per_layer)
+    a2a = 0
+    if sizes["expert"] > 1:
+        cf = float(m.n_routed) if m.dispatch == "dropless" else m.capacity_factor
+        rows = m.n_routed * slots_per_expert(cf, tokens, m.top_k, m.n_routed)
+        a2a = 4 * rows * m.expert_in_dim * dt  # dispatch send + receive, return send + receive
+    chunk = m.ce_chunk if 0 < m.ce_chunk < tokens else tokens
+    logits = _head_residuals(cfg, b) + (2 if chunk < tokens else 1) * chunk * m.vocab_size * 4
+    return {
+        "activations": activations,
+        "all_to_all": a2a,
+        "logits_and_loss": logits,
+        "inputs": b * (m.seq_len + 1) * 4,
+    }
+
+
+def plan(
+    cfg: Config,
+    data: int,
+    expert: int,
+    *,
+    micro_batch: int | None = None,
+    device: str | None = None,
+    device_memory_gb: float | None = None,
+    fsdp: bool | None = None,
+    max_micro_batch: bool = True,
+) -> dict:
+    """The per-device memory plan of ``cfg``'s train step on a ``data`` x ``expert`` mesh."""
+    m = cfg.model
+    if data < 1 or expert < 1:
+        raise UsageError(f"--mesh: data and expert must be >= 1, got data={data}, expert={expert}")
+    if m.n_routed % expert:
+        raise UsageError(f"--mesh: expert={expert} does not divide model.n_routed={m.n_routed}")
+    n_dev = data * expert
+    if micro_batch is None:
+        if cfg.train.batch_size % n_dev:
+            raise UsageError(
+                f"--mesh: train.batch_size={cfg.train.batch_size} does not split over {n_dev} devices; "
+                f"give --micro-batch (sequences per device)"
+            )
+        micro_batch = cfg.train.batch_size // n_dev
+    if micro_batch < 1:
+        raise UsageError(f"--micro-batch: must be >= 1, got {micro_batch}")
+    fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
+    dev = None
+    if device is not None:
+        dev = devices.lookup(device)
+        if dev is None:
+            raise UsageError(
+                f"--device: unknown {device!r}; one of {', '.join(devices.DEVICES)}, or --device-memory GB"
+            )
+    memory = device_memory_gb if device_memory_gb is not None else (dev.memory_gb if dev else None)
+    sizes = {"data": data, "expert": expert}
+    _, state = _abstract_state(cfg)
+    fixed = {
+        "parameters": tree_bytes({"params": state["params"], "model_state": state["model_state"]}, sizes, fsdp),
+        "optimizer": tree_bytes(state["opt_state"], sizes, fsdp),
+        "gradients": tree_bytes(state["params"], sizes, fsdp),
+    }
+    fixed["gathered_weights"] = _gathered(cfg, state, sizes, fsdp)
+    rows = {**fixed, **_per_micro_batch(cfg, sizes, fsdp, micro_batch)}
+    counted = sum(rows.values())
+    margin = int(MARGIN * counted)
+    total = counted + margin
+    out = {
+        "config": cfg.name,
+        "mesh": {"data": data, "expert": expert, "devices": n_dev, "fsdp": fsdp},
+        "micro_batch": micro_batch,
+        "tokens_per_device": micro_batch * m.seq_len,
+        "remat": m.remat,
+        "rows": rows,
+        "workspace_margin": margin,
+        "counted": counted,
+        "total": total,
+        "device": dev.name if dev else None,
+        "device_memory": None if memory is None else int(memory * GB),
+        "fits": None if memory is None else total <= memory * GB,
+    }
+    other = "none" if m.remat == "layer" else "layer"
+    alt = _per_micro_batch(load_config(cfg, [f"model.remat={other}"]), sizes, fsdp, micro_batch)
+    out["activations_by_remat"] = {m.remat: rows["activations"], other: alt["activations"]}
+    out["whole_over_data"] = whole_over(state["params"], sizes, fsdp, "data")
+    if memory is not None and max_micro_batch:
+        out["max_micro_batch"] = largest_micro_batch(cfg, sizes, fsdp, fixed, memory * GB)
+    return out
+
+
+def whole_over(params, sizes: dict[str, int], fsdp: bool, axis: str) -> list[str]:
+    """Parameters FSDP would shard over ``axis`` that stay whole there, because the axis divides
+    none of their dimensions (JAX shardings leave no remainder)."""
+    import jax
+
+    if not fsdp or sizes.get(axis, 1) <= 1:
+        return []
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = pmesh._leaf_name(path)
+        names = pmesh.LOGICAL.get(name, ())
+        wants = any(axis in axes for n in names for axes in pmesh.RULES.get(n, ()) if n != "experts")
+        axes = pmesh.axes_for(name, tuple(leaf.shape), sizes, fsdp)
+        flat = {a for x in axes if x is not None for a in ((x,) if isinstance(x, str) else x)}
+        if wants and axis not in flat:
+            out.append(name)
+    return out
+
+
+def _gathered(cfg: Config, state, sizes: dict[str, int], fsdp: bool) -> int:
+    import jax.numpy as jnp
+
+    m = cfg.model
+    dt = jnp.dtype(m.compute_dtype).itemsize
+    params = state["params"]
+    copy = 0
+    if dt != 4:  # the compute-dtype copy of the (sharded) parameters, made once per step
+        copy = tree_bytes(params, sizes, fsdp) * dt // 4
+    if not (fsdp and sizes["data"] * sizes["expert"] > 1):
+        return copy
+    compute, fp32 = _layer_weight_bytes(cfg, sizes)
+    if m.remat == "layer":
+        period, n_full, _ = _remat_blocks(m)
+        live = (period if n_full else 1) * compute
+    else:
+        live = m.n_layers * compute
+    embed = tree_bytes({"embed": params["embed"]}, sizes, False)  # its fp32 gradient, whole
+    return copy + live + max(fp32, embed)
+
+
+def largest_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, fixed: dict[str, int], memory: float) -> int:
+    """The most sequences per device whose plan (with its margin) fits in ``memory`` bytes; 0 if none."""
+    base = sum(fixed.values())
+
+    def total(b: int) -> float:
+        return (base + sum(_per_micro_batch(cfg, sizes, fsdp, b).values())) * (1 + MARGIN)
+
+    if total(1) > memory:
+        return 0
+    slope = max(total(2) - total(1), 1.0)
+    b = max(1, int((memory - total(1)) // slope) + 1)
+    while b > 1 and total(b) > memory:  # capacity rounding can make the line a little optimistic
+        b -= 1
+    while total(b + 1) <= memory:
+        b += 1
+    return b
+
+
+def compiled_bytes(cfg: Config, data: int, expert: int, micro_batch: int, fsdp: bool) -> dict:
+    """XLA's per-device memory analysis of ``cfg``'s train step, compiled ahead of time for a
+    ``data`` x ``expert`` mesh of this process's devices on abstract inputs (nothing is allocated)."""
+    import jax
+    import numpy as np
+
+    from moelab.train import optim
+    from moelab.train.step import make_train_step
+
+    n_dev = data * expert
+    if jax.device_count() < n_dev:
+        raise UsageError(
+            f"--check: the mesh needs {n_dev} devices and JAX has {jax.device_count()}; "
+            f"on CPU run with XLA_FLAGS=--xla_force_host_platform_device_count={n_dev}"
+        )
+    mesh = pmesh.auto_mesh(data, expert, jax.devices()[:n_dev])
+    opt, state = _abstract_state(cfg)
+    shardings = pmesh.tree_shardings(state, mesh, fsdp)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+    m = cfg.model
+    batch = jax.ShapeDtypeStruct((micro_batch * n_dev, m.seq_len + 1), np.int32, sharding=pmesh.batch_sharding(mesh))
+    pmesh.set_active(mesh, fsdp)
+    try:
+        step = make_train_step(cfg, opt, optim.hyper(cfg), shardings)
+        compiled = step.lower(abstract, batch, np.int32(0), np.bool_(False), None).compile()
+    finally:
+        pmesh.set_active(None)
+    mem = compiled.memory_analysis()
+    out = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs": int(mem.output_size_in_bytes),
+        "aliased": int(mem.alias_size_in_bytes),
+        "temporaries": int(mem.temp_size_in_bytes),
+    }
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
+
+
+def check_layers(cfg: Config) -> tuple[int, int]:
+    """The depths compiled by the check: 1 and 2 layers, or two and three rematerialised blocks
+    when ``remat: layer`` scans blocks (fewer layers would be rematerialised one by one, which
+    XLA:CPU schedules away)."""
+    if cfg.model.remat == "layer":
+        period, n_full, _ = _remat_blocks(cfg.model)
+        if n_full:
+            return 2 * period, 3 * period
+    return 1, 2
+
+
+def compiler_check(
+    cfg: Config, data: int, expert: int, *, micro_batch: int | None = None, fsdp: bool | None = None,
+    layers: tuple[int, int] | None = None, progress: bool = False,
+) -> dict:  # fmt: skip
+    """The plan against the compiler: the train step of copies of ``cfg`` with ``layers`` layers
+    (full width) compiled for the mesh, XLA's per-device totals extended linearly to the config's
+    depth, beside the plan's total without its margin. ``ratio`` = plan / compiler.
+
+    Both sides are taken in fp32: XLA:CPU computes bf16 through fp32 buffers, so a bf16 step
+    compiled here would not show the memory a GPU or TPU gives it."""
+    from moelab.progress import say
+
+    n_dev = data * expert
+    fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
+    dtype = cfg.model.compute_dtype
+    cfg = load_config(cfg, ["model.compute_dtype=float32"])
+    layers = layers or check_layers(cfg)
+    full = plan(cfg, data, expert, micro_batch=micro_batch, fsdp=fsdp, max_micro_batch=False)
+    b = full["micro_batch"]
+    compiled = {}
+    for n in layers:
+        say(f"compiling the train step with {n} layer(s) for a {data} x {expert} mesh (abstract inputs)", progress)
+        small = load_config(cfg, [f"model.n_layers={n}", f"train.batch_size={b * n_dev}"])
+        compiled[n] = compiled_bytes(small, data, expert, b, fsdp)
+    (n1, n2), L = layers, cfg.model.n_layers
+    t1, t2 = compiled[n1]["total"], compiled[n2]["total"]
+    scaled = t1 + (t2 - t1) * (L - n1) / (n2 - n1)
+    return {
+        "compute_dtype": "float32" + ("" if dtype == "float32" else f" (the config's {dtype}: see above)"),
+        "layers_compiled": list(layers),
+        "compiled": {str(n): v for n, v in compiled.items()},
+        "compiler_total": int(scaled),
+        "plan_total": full["counted"],
+        "ratio": full["counted"] / scaled,
+        "within_15pct": abs(full["counted"] / scaled - 1) <= 0.15,
+        "global_dispatch": global_dispatch(cfg, n_dev, expert, b),
+    }

@@ -1,0 +1,108 @@
+"""The per-device memory plan (parallel/memory.py): parameters, moments and gradients to the byte
+on a config counted by hand, the whole plan against XLA's compiled analysis on small shapes, and
+what does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from conftest import MICRO
+from moelab import accounting
+from moelab.cli import main
+from moelab.config import load_config
+from moelab.parallel import memory
+
+SMALL = [
+    "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.head_dim=8", "model.n_kv_heads=1",
+    "model.n_kv_heads_local=0", "model.sliding_window=0", "model.n_routed=8", "model.top_k=2",
+    "model.expert_dim=8", "model.latent_dim=0", "model.n_shared=0", "model.vocab_size=512",
+    "model.seq_len=16", "train.batch_size=8",
+]  # fmt: skip
+
+
+def test_state_bytes_by_hand():
+    """data 2 x expert 4, FSDP: d 16 over all 8 devices; experts 2 per device, their input dim over data."""
+    cfg = load_config("tiny", SMALL)
+    p = memory.plan(cfg, 2, 4, max_micro_batch=False)
+    per_device = (
+        512 * 2  # embed [512, 16]: 16 / 8
+        + 2 * 512  # head [16, 512]
+        + 16 + 2 * 16 + 2 * 16  # final, attention and mlp norms: whole
+        + 2 * 2 * 16 + 2 * 2 * 8 * 2 + 2 * 16 * 2  # wq [2,16,16], wk and wv [2,16,8], wo [2,16,16]: d / 8
+        + 2 * 2 * 8  # router [2, 16, 8]: d / 8
+        + 3 * 2 * 2 * 8 * 8  # w_gate, w_up [2,8,16,8] and w_down [2,8,8,16]: 8/4 experts, one dim / 2
+    )  # fmt: skip
+    assert p["rows"]["parameters"] == 4 * (per_device + 2 * 8)  # + the router bias [2, 8], whole
+    assert p["rows"]["gradients"] == 4 * per_device
+    # AdamW: two fp32 moments placed as the parameters, and the optimiser's scalars (counts, rates)
+    opt, state = memory._abstract_state(cfg)
+    scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]) if x.ndim == 0)
+    assert p["rows"]["optimizer"] == 2 * 4 * per_device + scalars
+    # the rules before FSDP: only the experts split (over expert)
+    q = memory.plan(cfg, 2, 4, fsdp=False, max_micro_batch=False)
+    whole = 2 * 512 * 16 + 16 + 4 * 16 + 2 * (16 * 16 * 2 + 16 * 8 * 2) + 2 * 16 * 8 + 3 * 2 * 2 * 16 * 8
+    assert q["rows"]["gradients"] == 4 * whole
+
+
+def test_hero_state_by_marin_accounting():
+    """The hero on Marin's mesh (11 x EP64): today's rules hold 1/64 of the routed experts and all
+    else on every GPU, as moelab's accounting counts them; 11 divides no dimension, so FSDP shards
+    the rest within each rack only, and the plan says so."""
+    cfg = load_config("marin-535b-a23b", [])
+    acc = accounting.count(cfg)
+    m = cfg.model
+    routed = m.n_layers * m.n_routed * 3 * m.expert_in_dim * m.expert_dim
+    rest = acc.total_params + acc.norm_params - routed
+    old = memory.plan(cfg, 11, 64, fsdp=False, device="GB200", max_micro_batch=False)
+    assert old["rows"]["gradients"] == 4 * (routed // 64 + rest)
+    assert old["rows"]["parameters"] + old["rows"]["optimizer"] + old["rows"]["gradients"] > 192e9
+    assert old["fits"] is False
+    new = memory.plan(cfg, 11, 64, device="GB200", max_micro_batch=False)
+    norms = acc.norm_params
+    assert new["rows"]["gradients"] == 4 * (routed // 64 + (rest - norms) // 64 + norms)
+    assert "w_gate" in new["whole_over_data"] and "wq" in new["whole_over_data"]
+    assert memory.plan(cfg, 8, 64, micro_batch=16, max_micro_batch=False)["whole_over_data"] == []
+
+
+@pytest.mark.parametrize(
+    "sets,mesh",
+    [(MICRO + ["train.batch_size=8"], (2, 4)), (["train.batch_size=8", "model.remat=layer", "model.n_layers=8"], (1, 8))],
+    ids=["micro-2x4", "tiny-remat-1x8"],
+)  # fmt: skip
+def test_plan_within_15pct_of_the_compiler(sets, mesh):
+    cfg = load_config("tiny", sets)
+    c = memory.compiler_check(cfg, *mesh)
+    assert not c["global_dispatch"]
+    assert 0.85 <= c["ratio"] <= 1.15, c
+    assert c["plan_total"] == memory.plan(cfg, *mesh, max_micro_batch=False)["counted"]
+
+
+def test_what_does_not_fit_and_the_largest_micro_batch(tmp_path):
+    cfg = load_config("tiny", ["train.batch_size=64"])
+    fixed = memory.plan(cfg, 2, 4, micro_batch=1, device_memory_gb=1e3, max_micro_batch=False)
+    per_seq = (
+        memory.plan(cfg, 2, 4, micro_batch=2, device_memory_gb=1e3, max_micro_batch=False)["total"] - fixed["total"]
+    )
+    budget = (fixed["total"] + 2.5 * per_seq) / 1e9  # room for about 3 sequences, not the 8 asked for
+    p = memory.plan(cfg, 2, 4, device_memory_gb=budget)
+    assert p["micro_batch"] == 8 and p["fits"] is False
+    b = p["max_micro_batch"]
+    assert 2 <= b < 8
+    assert memory.plan(cfg, 2, 4, micro_batch=b, device_memory_gb=budget, max_micro_batch=False)["fits"]
+    assert not memory.plan(cfg, 2, 4, micro_batch=b + 1, device_memory_gb=budget, max_micro_batch=False)["fits"]
+    tiny_budget = fixed["rows"]["parameters"] / 1e9  # not even the parameters and their state
+    assert memory.plan(cfg, 2, 4, device_memory_gb=tiny_budget)["max_micro_batch"] == 0
+
+
+def test_cli_json(capsys):
+    assert main(["plan", "memory", "marin-535b-a23b", "--mesh", "data=11,expert=64", "--device", "GB200",
+                 "--set", "mesh.fsdp=false", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["device_memory"] == 192e9 and out["mesh"]["devices"] == 704
+    assert set(out["rows"]) == set(memory.ROWS)
+    assert main(["plan", "memory", "tiny", "--mesh", "data=2,expert=4", "--device-memory", "80", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["max_micro_batch"] >= out["micro_batch"] == 2
