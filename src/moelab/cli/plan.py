@@ -38,10 +38,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return sizes["data"], sizes["expert"]
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:10.2f}"
-
-
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     data, expert = parse_mesh(args.mesh)
     if args.device is not None and args.device_memory is not None:
@@ -76,18 +72,19 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         f"FSDP {'on' if mesh['fsdp'] else 'off'}), {out['micro_batch']} sequences "
         f"({out['tokens_per_device']:,} tokens) per device, remat {out['remat']}"
     )
-    print(f"  {'per device':<40} {'GB':>10}")
+    unit, div = ("GB", 1e9) if out["total"] >= 1e9 else ("MB", 1e6)
+    print(f"  {'per device':<40} {unit:>10}")
     for key, value in out["rows"].items():
-        print(f"  {ROW_NAMES[key]:<40} {_gb(value)}")
-    print(f"  {'workspace margin (' + str(int(memory.MARGIN * 100)) + '%)':<40} {_gb(out['workspace_margin'])}")
-    print(f"  {'total':<40} {_gb(out['total'])}")
+        print(f"  {ROW_NAMES[key]:<40} {value / div:10.2f}")
+    print(f"  {'workspace margin (' + str(int(memory.MARGIN * 100)) + '%)':<40} {out['workspace_margin'] / div:10.2f}")
+    print(f"  {'total':<40} {out['total'] / div:10.2f}")
     if out["whole_over_data"]:
         print(
             f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: those stay whole "
             f"over data (JAX shardings leave no remainder)"
         )
     acts = out["activations_by_remat"]
-    print("  activations by remat: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in acts.items()))
+    print("  activations by remat: " + ", ".join(f"{k} {v / div:.2f} {unit}" for k, v in acts.items()))
     if out["device_memory"] is not None:
         name = out["device"] or "the device"
         verdict = "fits" if out["fits"] else "does NOT fit"
