@@ -55,7 +55,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             from moelab.parallel.mesh import request_devices
 
             request_devices(n)
-    from moelab.parallel import memory
+    from moelab.train import memory
 
     cfg = load_config(args.config, args.overrides)
     out = memory.plan(
