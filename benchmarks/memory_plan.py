@@ -74,7 +74,41 @@ def main() -> int:
         )
     out["plans"] = plans
     (HERE / "results" / args.out).write_text(json.dumps(out, indent=1))
+    plot(plans, HERE / "results" / Path(args.out).with_suffix(".svg").name)
     return 0
+
+
+def plot(plans: dict, path: Path) -> None:
+    """Per-device memory of each plan, row by row, against its device's memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "none"
+    rows = ["parameters", "optimizer", "gradients", "gathered_weights", "activations", "all_to_all", "logits_and_loss"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    names = list(plans)
+    left = [0.0] * len(names)
+    for i, row in enumerate(rows):
+        vals = [plans[n]["rows"][row] / 1e9 for n in names]
+        ax.barh(range(len(names)), vals, left=left, color=f"C{i}", label=row.replace("_", " "))
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    cap = 700.0  # GB: longer bars are cut here, their totals written beside them
+    for j, n in enumerate(names):
+        mem = plans[n]["device_memory"] / 1e9
+        ax.plot([mem, mem], [j - 0.45, j + 0.45], color="black", lw=2)
+        total = plans[n]["counted"] / 1e9
+        ax.text(min(total, cap) + 5, j, f"{total:,.0f} GB" + (" (cut)" if total > cap else ""), va="center", fontsize=6)
+    ax.set_xlim(0, cap + 120)
+    ax.set_yticks(range(len(names)), [n.replace(", ", ",\n", 1) for n in names], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB per device, without the 10% margin; black bar: the device's memory")
+    ax.set_title("What one device holds of a train step (moelab plan memory)", fontsize=10)
+    ax.legend(fontsize=6, ncol=7, loc="upper center", bbox_to_anchor=(0.45, -0.16))
+    ax.grid(alpha=0.3, axis="x")
+    fig.savefig(path, bbox_inches="tight")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,17 @@ def test_cli_json(capsys):
     assert main(["plan", "memory", "tiny", "--mesh", "data=2,expert=4", "--device-memory", "80", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and out["max_micro_batch"] >= out["micro_batch"] == 2
+
+
+def test_the_compiled_step_holds_exactly_the_planned_state():
+    """XLA's per-device arguments are the plan's parameters, optimizer state and input tokens to the
+    byte (plus the step's two scalars: an int32 data step and a bool), with FSDP and without; FSDP
+    is real in the compiled program: the state per device shrinks by the rules' factor."""
+    cfg = load_config("tiny", MICRO + ["train.batch_size=8"])
+    got = {}
+    for fsdp in (True, False):
+        compiled = memory.compiled_bytes(cfg, 2, 4, 1, fsdp)
+        rows = memory.plan(cfg, 2, 4, fsdp=fsdp, max_micro_batch=False)["rows"]
+        assert compiled["arguments"] == rows["parameters"] + rows["optimizer"] + rows["inputs"] + 4 + 1
+        got[fsdp] = compiled["arguments"]
+    assert got[True] < got[False] / 5

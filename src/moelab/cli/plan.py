@@ -80,15 +80,19 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     print(f"  {'total':<40} {out['total'] / div:10.2f}")
     if out["whole_over_data"]:
         print(
-            f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: those stay whole "
-            f"over data (JAX shardings leave no remainder)"
+            f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: each of the "
+            f"{data} data groups keeps its own copy of those (JAX shardings leave no remainder)"
         )
     acts = out["activations_by_remat"]
     print("  activations by remat: " + ", ".join(f"{k} {v / div:.2f} {unit}" for k, v in acts.items()))
     if out["device_memory"] is not None:
         name = out["device"] or "the device"
         verdict = "fits" if out["fits"] else "does NOT fit"
-        print(f"  {verdict} in {name} ({out['device_memory'] / 1e9:g} GB)")
+        top = max(out["rows"], key=out["rows"].get)
+        share = out["rows"][top] / out["total"]
+        print(
+            f"  {verdict} in {name} ({out['device_memory'] / 1e9:g} GB); the largest row: {ROW_NAMES[top]}, {share:.0%}"
+        )
         mb = out.get("max_micro_batch")
         print(
             f"  largest micro-batch that fits: {mb} sequences per device"
