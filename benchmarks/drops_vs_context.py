@@ -134,7 +134,10 @@ def main() -> None:
             wl = jax.device_put(wl, NamedSharding(mesh, P("expert")))
             for transport in TRANSPORTS:
                 for cf in FACTORS:
-                    mt = replace(cfg, model={"ep_transport": transport, "capacity_factor": cf}).model
+                    # spill over every next choice, as the study was first run (before spill_choices)
+                    mt = replace(
+                        cfg, model={"ep_transport": transport, "capacity_factor": cf, "spill_choices": 0}
+                    ).model
                     key = (transport, cf)
                     if key not in fns:
                         fns[key] = jax.jit(lambda h, r, w, mt=mt: ep_routed_experts(h, r, w, mt, mesh))

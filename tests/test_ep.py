@@ -203,6 +203,21 @@ def test_pooled_wave_shares_the_cut_across_senders():
     assert list(kept) == [7] + [8] * 7
 
 
+def test_capacity_groups_are_each_devices_tokens_under_a_data_mesh():
+    """capacity_group 0 on an 8 x 1 mesh (no EP): one group per device's tokens, as Marin groups;
+    the same as one device with groups of t / 8, and not the one whole-batch group."""
+    import dataclasses
+
+    m, p, x, bias = layer(capacity_factor=0.5)
+    y, metrics, _ = run_block(m, p, x, bias, "capacity", mesh_of(8, 1))
+    per_device = dataclasses.replace(m, capacity_group=x.shape[0] * x.shape[1] // 8)
+    y_ref, m_ref, _ = run_block(per_device, p, x, bias, "capacity")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
+    assert float(metrics["dropped_frac"]) == pytest.approx(float(m_ref["dropped_frac"]))
+    _, m_whole, _ = run_block(m, p, x, bias, "capacity")  # one device: the whole batch is one group
+    assert float(m_whole["dropped_frac"]) != pytest.approx(float(metrics["dropped_frac"]))
+
+
 # ------------------------------------------------------------------ training with EP from the CLI
 
 from conftest import MICRO, ROOT  # noqa: E402

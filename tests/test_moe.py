@@ -145,6 +145,37 @@ def test_spill_hand_case():
     assert float(p.gates[2, 0]) == pytest.approx(float(probs[2] / (probs[0] + probs[1])), rel=1e-6)
 
 
+def test_spill_tries_at_most_spill_choices_next_experts():
+    """Every token prefers expert 0, then 1, 2, ...: one slot each. Token j lands on expert j when
+    it may look j places past its first choice; with 2 choices the fourth token finds 1 and 2 full."""
+    logits = jnp.array([[8.0, 7.0, 6.0, 5.0, 4.0, 3.0]] * 4) - 0.01 * jnp.arange(4)[:, None]
+
+    def placed(choices):
+        m = config_from_dict({"model": {"n_routed": 6, "top_k": 1, "n_kv_heads": 1, "spill_choices": choices}}).model
+        r = rt.route(logits, jnp.zeros(6), m)
+        assert r.order.shape == (4, min(6, 1 + choices) if choices else 6)
+        return place_spill(r, capacity=1, drop_order="position")
+
+    p = placed(0)  # all next choices
+    assert p.expert[:, 0].tolist() == [0, 1, 2, 3] and bool(p.kept.all())
+    p = placed(3)
+    assert p.expert[:, 0].tolist() == [0, 1, 2, 3] and bool(p.kept.all())
+    p = placed(2)
+    assert p.kept[:, 0].tolist() == [True, True, True, False]
+
+
+def test_routing_takes_the_top_choices_without_sorting_every_expert():
+    m = config_from_dict({"model": {"n_routed": 64, "top_k": 4, "n_kv_heads": 1, "spill_choices": 8}}).model
+    logits = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
+    bias = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (64,))
+    jaxpr = str(jax.make_jaxpr(lambda x, b: rt.route(x, b, m))(logits, bias))
+    assert " top_k[" in jaxpr and " sort[" not in jaxpr  # the primitives, not words in parameters
+    r = rt.route(logits, bias, m)
+    ref = np.argsort(-(np.asarray(logits) + np.asarray(bias)), axis=1, kind="stable")
+    assert r.order.shape == (32, 12)
+    np.testing.assert_array_equal(np.asarray(r.order), ref[:, :12])
+
+
 def test_spill_reports_fraction_and_never_drops_with_room():
     m, p, x, bias = small(n_routed=8, top_k=2, capacity_factor=0.75)
     xt = jax.random.normal(jax.random.PRNGKey(5), (64, m.d_model))

@@ -70,7 +70,9 @@ class ModelConfig:
     eval_dispatch: str = ""  # "" = same as dispatch
     capacity_factor: float = 1.25
     drop_order: str = "position"
-    capacity_group: int = 0  # tokens per capacity group; 0 = the whole batch is one group
+    # tokens per capacity group; 0 = each device's tokens (Marin's grouping; the whole batch on one device)
+    capacity_group: int = 0
+    spill_choices: int = 8  # spill: an overflowing assignment tries at most this many next-ranked experts; 0 = all
     ep_transport: str = "fixed"  # expert parallel (mesh.expert > 1): fixed, spill or pooled_wave
     ep_waves: int = 3  # pooled_wave: waves per exchange
     # numerics
@@ -157,6 +159,7 @@ class ModelConfig:
             "shared_dim",
             "latent_dim",
             "capacity_group",
+            "spill_choices",
             "aux_loss_coef",
             "router_z_loss_coef",
             "logit_z_loss",
@@ -590,7 +593,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 # fields added after runs were recorded: at these values they leave a config's hash as it was
-HASH_NEUTRAL = {("mesh", "fsdp"): True}
+HASH_NEUTRAL = {("mesh", "fsdp"): True}  # spill_choices changes what spill does: it is hashed
 
 
 def config_hash(cfg: Config) -> str:

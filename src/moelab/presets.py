@@ -40,6 +40,7 @@ def _marin(d: int, layers: int, heads: int, kv_local: int, kv_global: int, steps
             "dispatch": "capacity",
             "eval_dispatch": "dropless",
             "capacity_factor": 1.15,
+            "capacity_group": 0,  # each device's tokens are one group: Marin's grouping
             "compute_dtype": "bfloat16",
         },
         "train": {"steps": steps, "batch_size": batch, "lr": "auto", "warmup_frac": 0.01, "min_lr_ratio": 0.05},

@@ -240,7 +240,8 @@ def place_capacity(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
 
 
 def place_spill(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
-    """Capacity placement, then rounds over each token's next-ranked experts for what overflowed.
+    """Capacity placement, then rounds over each token's next-ranked experts for what overflowed:
+    as many rounds as the routing has next choices (``model.spill_choices``).
 
     In round j every token that still has an unplaced assignment offers one to its (k+j)-th
     choice; offers fill the room left in priority order. Capacity only ever fills, so when the
@@ -309,7 +310,7 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
         zero = jnp.zeros((), jnp.float32)
         return y, {"dropped_frac": zero, "spilled_frac": zero, "tokens_per_expert": done}
 
-    group = m.capacity_group or t
+    group = m.capacity_group or t // pmesh.shards()  # 0: each device's tokens, one group
     if t % group:
         raise ValueError(f"model.capacity_group={group} does not divide the {t} tokens of this batch")
     n_groups = t // group

@@ -17,7 +17,7 @@ from moelab.config import ModelConfig
 class Routing(NamedTuple):
     logits: jax.Array  # [t, e] fp32, unbiased
     scores: jax.Array  # [t, e] softmax probabilities or sigmoid scores
-    order: jax.Array  # [t, e] experts by bias-adjusted preference, best first
+    order: jax.Array  # [t, k + spill_choices] experts by bias-adjusted preference, best first
     idx: jax.Array  # [t, k] chosen experts = order[:, :k]
     gate_scale: jax.Array  # [t] gate of expert e for token t = scores[t, e] * gate_scale[t]
     gates: jax.Array  # [t, k]
@@ -33,8 +33,10 @@ def route(logits: jax.Array, bias: jax.Array, m: ModelConfig) -> Routing:
         scores = jax.nn.sigmoid(logits)
         target_sum = m.routed_scale
     adjusted = logits + jax.lax.stop_gradient(bias)[None, :]
-    # a full argsort so spill can walk each token's next choices; top-k are its first k
-    order = jnp.argsort(-adjusted, axis=-1, stable=True)
+    # the top k and the next ``spill_choices`` (spill walks those), not a full sort of the experts
+    n_experts = logits.shape[-1]
+    n = n_experts if m.spill_choices == 0 else min(n_experts, m.top_k + m.spill_choices)
+    _, order = jax.lax.top_k(adjusted, n)
     idx = order[:, : m.top_k]
     chosen = jnp.take_along_axis(scores, idx, axis=-1)
     gate_scale = target_sum / (jnp.sum(chosen, axis=-1) + 1e-20)

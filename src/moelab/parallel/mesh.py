@@ -154,6 +154,11 @@ def active():
     return _ACTIVE
 
 
+def shards() -> int:
+    """How many devices the active mesh splits a batch over (1 without one)."""
+    return 1 if _ACTIVE is None else _ACTIVE.size
+
+
 def _leaf_name(path) -> str:
     """A leaf's name: the last string key on its path (optimiser state nests the params' names)."""
     named = [k for k in (getattr(p, "key", getattr(p, "name", None)) for p in path) if isinstance(k, str)]

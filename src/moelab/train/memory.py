@@ -156,12 +156,12 @@ def _moe_residuals(cfg: Config, b: int) -> int:
 def global_dispatch(cfg: Config, n_dev: int, expert: int, b: int) -> bool:
     """Whether each device runs the one-device dispatch over the whole batch: data parallel without
     expert parallelism, with dropless dispatch or a capacity group larger than a device's tokens
-    (``capacity_group: 0`` is the whole batch). XLA then partitions its sorts poorly and every
+    (``capacity_group: 0`` is a device's tokens). XLA then partitions its sorts poorly and every
     device keeps the dispatch's buffers for all the mesh's tokens (measured against the compiler)."""
     m = cfg.model
     if expert > 1 or n_dev == 1 or m.n_routed == 0:
         return False
-    return m.dispatch == "dropless" or m.capacity_group == 0 or m.capacity_group > b * m.seq_len
+    return m.dispatch == "dropless" or m.capacity_group > b * m.seq_len
 
 
 def _head_residuals(cfg: Config, b: int) -> int:
