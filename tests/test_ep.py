@@ -203,16 +203,48 @@ def test_pooled_wave_shares_the_cut_across_senders():
     assert list(kept) == [7] + [8] * 7
 
 
+def test_quantile_bias_on_a_mesh_counts_instead_of_gathering():
+    """The quantile bias with the tokens split over 8 devices equals one device's jnp.quantile,
+    and the compiled program moves no [tokens, experts] array: no all-gather, only [experts]
+    counts summed across devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    t, e, k = 1024, 32, 4
+    logits = jax.random.normal(jax.random.PRNGKey(0), (t, e)) * 2.0
+    logits = logits.at[::7, 3].set(1.25)  # ties
+    bias = 0.2 * jax.random.normal(jax.random.PRNGKey(1), (e,))
+    ref = rt.quantile_bias(logits, bias, k)  # one device: jnp.quantile
+    mesh = mesh_of(2, 4)
+    pmesh.set_active(mesh)
+    sharded = jax.device_put(logits, NamedSharding(mesh, P(pmesh.BATCH)))
+    fn = jax.jit(lambda x, b: rt.quantile_bias(x, b, k))
+    got = fn(sharded, bias)
+    hlo = fn.lower(sharded, bias).compile().as_text()
+    m = config_from_dict({"model": {"n_routed": e, "top_k": k, "n_kv_heads": 1, "spill_choices": 2}}).model
+    route = jax.jit(lambda x, b: rt.route(x, b, m).order)  # the top choices, each device its own tokens
+    order = route(sharded, bias)
+    route_hlo = route.lower(sharded, bias).compile().as_text()
+    pmesh.set_active(None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-6)
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert "all-reduce" in hlo  # the counts
+    np.testing.assert_array_equal(np.asarray(order), np.asarray(rt.route(logits, bias, m).order))
+    assert "all-gather" not in route_hlo
+
+
 def test_capacity_groups_are_each_devices_tokens_under_a_data_mesh():
     """capacity_group 0 on an 8 x 1 mesh (no EP): one group per device's tokens, as Marin groups;
     the same as one device with groups of t / 8, and not the one whole-batch group."""
     import dataclasses
 
     m, p, x, bias = layer(capacity_factor=0.5)
-    y, metrics, _ = run_block(m, p, x, bias, "capacity", mesh_of(8, 1))
+    y, metrics, g = run_block(m, p, x, bias, "capacity", mesh_of(8, 1))
     per_device = dataclasses.replace(m, capacity_group=x.shape[0] * x.shape[1] // 8)
-    y_ref, m_ref, _ = run_block(per_device, p, x, bias, "capacity")
+    y_ref, m_ref, g_ref = run_block(per_device, p, x, bias, "capacity")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert float(metrics["dropped_frac"]) == pytest.approx(float(m_ref["dropped_frac"]))
     _, m_whole, _ = run_block(m, p, x, bias, "capacity")  # one device: the whole batch is one group
     assert float(m_whole["dropped_frac"]) != pytest.approx(float(metrics["dropped_frac"]))

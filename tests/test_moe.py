@@ -228,6 +228,15 @@ def max_mean(idx, e):
     return load.max() / load.mean()
 
 
+@pytest.mark.parametrize("n,e,q", [(1000, 8, 0.75), (2048, 64, 1 - 8 / 64), (7, 3, 0.5), (2, 4, 0.9), (1, 2, 0.5)])
+def test_column_quantile_from_counts_equals_jnp_quantile(n, e, q):
+    x = jax.random.normal(jax.random.PRNGKey(n), (n, e)) * 3.0
+    x = x.at[::5, 0].set(0.5)  # ties
+    x = x.at[:, 1].set(-2.0)  # a constant column
+    x = x.at[0, -1].set(-0.0)  # a negative zero
+    np.testing.assert_allclose(rt.column_quantile(x, q), jnp.quantile(x, q, axis=0), rtol=0, atol=1e-6)
+
+
 def test_quantile_bias_balances_a_skewed_router():
     m = config_from_dict({"model": {"n_routed": 16, "top_k": 2, "router": "sigmoid", "bias_update": "quantile"}}).model
     bias = jnp.zeros(16)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
+from moelab.parallel import mesh as pmesh
 
 
 class Routing(NamedTuple):
@@ -36,7 +37,7 @@ def route(logits: jax.Array, bias: jax.Array, m: ModelConfig) -> Routing:
     # the top k and the next ``spill_choices`` (spill walks those), not a full sort of the experts
     n_experts = logits.shape[-1]
     n = n_experts if m.spill_choices == 0 else min(n_experts, m.top_k + m.spill_choices)
-    _, order = jax.lax.top_k(adjusted, n)
+    _, order = pmesh.per_device(lambda a: jax.lax.top_k(a, n), adjusted)
     idx = order[:, : m.top_k]
     chosen = jnp.take_along_axis(scores, idx, axis=-1)
     gate_scale = target_sum / (jnp.sum(chosen, axis=-1) + 1e-20)
@@ -88,12 +89,53 @@ def quantile_bias(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
     if top_k >= n_experts:
         return jnp.zeros_like(bias)
     adjusted = logits + bias[None, :]
-    top, top_idx = jax.lax.top_k(adjusted, top_k + 1)
-    chosen = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], top_idx[:, :top_k]].set(True)
+    top, top_idx = pmesh.per_device(lambda a: jax.lax.top_k(a, top_k + 1), adjusted)
+    chosen = jnp.any(top_idx[:, :top_k, None] == jnp.arange(n_experts)[None, None, :], axis=1)  # no scatter
     threshold = jnp.where(chosen, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k])
     margins = logits - threshold
-    new = -jnp.quantile(margins, 1.0 - top_k / n_experts, axis=0)
+    q = 1.0 - top_k / n_experts
+    # on a mesh the tokens are split across devices: count instead of sorting them all in one place
+    new = -(column_quantile(margins, q) if pmesh.shards() > 1 else jnp.quantile(margins, q, axis=0))
     return new - jnp.mean(new)
+
+
+def _key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (negative floats' bits flipped, positives' sign bit set)."""
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _unkey(k: jax.Array) -> jax.Array:
+    u = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def column_quantile(x: jax.Array, q: float) -> jax.Array:
+    """Each column's ``q`` quantile of x [n, e], as ``jnp.quantile(x, q, axis=0)`` (linear
+    interpolation between order statistics), from counts alone: the order statistic at rank
+    floor(q * (n - 1)) is found exactly by bisection over the floats' 2^32 ordered bit patterns
+    (32 rounds, each counting, per column, the values at or below a candidate), the next one as
+    the smallest value above it. Nothing is sorted or gathered: with the rows split over devices
+    each round sums [e] counts across them."""
+    n = x.shape[0]
+    pos = q * (n - 1)
+    r_lo = int(pos // 1)
+    r_hi = min(r_lo + 1, n - 1)
+    keys = _key(x)
+
+    def round_(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(keys <= mid[None, :], axis=0) >= r_lo + 1
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, round_, (jnp.min(keys, axis=0), jnp.max(keys, axis=0)))
+    at_or_below = jnp.sum(keys <= lo[None, :], axis=0)
+    above = jnp.min(jnp.where(keys > lo[None, :], keys, jnp.uint32(0xFFFFFFFF)), axis=0)
+    k_hi = jnp.where(at_or_below >= r_hi + 1, lo, above)
+    v_lo, v_hi = _unkey(lo), _unkey(k_hi)
+    frac = pos - r_lo
+    return v_lo + frac * (v_hi - v_lo)
 
 
 def sign_bias(idx: jax.Array, bias: jax.Array, rate: float) -> jax.Array:

@@ -159,6 +159,18 @@ def shards() -> int:
     return 1 if _ACTIVE is None else _ACTIVE.size
 
 
+def per_device(fn, *xs):
+    """``fn`` on each device's rows of token-major arrays (split over ``BATCH``) under an active
+    mesh; a plain call otherwise. XLA's partitioner would gather some row-wise ops whole first
+    (its TopK among them): this keeps them local."""
+    if _ACTIVE is None or _ACTIVE.size == 1:
+        return fn(*xs)
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.shard_map(fn, mesh=_ACTIVE, in_specs=tuple(P(BATCH) for _ in xs), out_specs=P(BATCH))(*xs)
+
+
 def _leaf_name(path) -> str:
     """A leaf's name: the last string key on its path (optimiser state nests the params' names)."""
     named = [k for k in (getattr(p, "key", getattr(p, "name", None)) for p in path) if isinstance(k, str)]
