@@ -274,6 +274,13 @@ def _losses(out):
     return np.array([r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"])
 
 
+def _evals(out):
+    """Each evaluation's held-out loss, dropless, per domain and macro."""
+    from moelab.train.record import read_jsonl
+
+    return [r["loss_dropless"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+
+
 @pytest.fixture(scope="module")
 def single_device_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ep") / "single"
@@ -296,6 +303,9 @@ def test_ep_training_equals_single_device(single_device_run, ep_run):
     assert len(ep) == len(ref) == 20
     np.testing.assert_allclose(ep, ref, rtol=0, atol=1e-4)
     assert ep[-1] < ep[0] - 0.2  # and it trains
+    # evaluated under the mesh (the transports, dropless), as one device evaluates
+    for got, want in zip(_evals(ep_run), _evals(single_device_run), strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.slow  # FSDP (4 x 2): parameters and optimizer state over data, experts also over expert
@@ -306,6 +316,8 @@ def test_fsdp_training_equals_single_device(corpus, single_device_run, tmp_path)
     got, ref = _losses(out), _losses(single_device_run)
     assert len(got) == len(ref) == 20
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+    for got_eval, want in zip(_evals(out), _evals(single_device_run), strict=True):
+        assert got_eval == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize("saved,restored", [((2, 4), None), (None, (1, 8))], ids=["8to1", "1to8"])

@@ -132,3 +132,29 @@ def test_fsdp_checkpoints_restore_across_meshes(tmp_path, saved, restored):
     wq = back["params"]["layers"]["wq"]
     want = cfg.model.d_model // (1 if restored is None else 8)
     assert wq.addressable_shards[0].data.shape[1] == want
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=["2x4", "8x1"])
+def test_evaluation_under_the_mesh_equals_one_device(shape):
+    """The held-out loss computed under the training mesh (FSDP gathers, the transports for EP,
+    dropless) equals one device's: the summed nats and the count of a masked batch."""
+    from moelab.train.step import make_eval_step
+
+    cfg = load_config("tiny", MICRO + ["train.batch_size=8", "model.capacity_factor=8.0"])
+    h = optim.hyper(cfg)
+    state = init_train_state(cfg, optim.make_optimizer(cfg, h))
+    rows = _batch(cfg, 11)
+    mask = np.ones((8, cfg.model.seq_len), np.float32)
+    mask[3, 5:] = 0.0  # a padded window
+    nll = make_eval_step(cfg)
+    want = {d: nll(state["params"], state["model_state"], rows[:, :-1], rows[:, 1:], mask, dispatch=d)
+            for d in ("dropless", "capacity")}  # fmt: skip
+    mesh = pmesh.auto_mesh(*shape)
+    sharded = pmesh.shard_tree(state, mesh, fsdp=True)
+    pmesh.set_active(mesh, fsdp=True)
+    nll = make_eval_step(cfg)
+    args = [pmesh.put_batch(np.ascontiguousarray(a), mesh) for a in (rows[:, :-1], rows[:, 1:], mask)]
+    for d, (total, count) in want.items():
+        got_total, got_count = nll(sharded["params"], sharded["model_state"], *args, dispatch=d)
+        assert float(got_count) == float(count)
+        assert float(got_total) == pytest.approx(float(total), rel=1e-5), d

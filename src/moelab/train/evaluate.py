@@ -55,10 +55,14 @@ def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int) -> dict[str,
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False):
+    """Held-out losses of a model. With ``mesh`` the windows are split over its devices like a
+    training batch and the model runs as it trains there (call it with that mesh active: the
+    expert-parallel transports, FSDP gathers), never gathering every expert onto every device."""
+
+    def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
         from moelab.train.step import make_eval_step
 
-        self.cfg = cfg
+        self.cfg, self.mesh = cfg, mesh
         self.fn = make_eval_step(cfg)
         m = cfg.model
         # as trained (the training dispatch, with its drops) and dropless
@@ -85,7 +89,14 @@ class Evaluator:
             for domain, (rows, mask, n_bytes) in self.data.items():
                 total, count = 0.0, 0.0
                 for r, mk in zip(rows, mask, strict=True):
-                    s, c = self.fn(params, model_state, r[:, :-1], r[:, 1:], mk, dispatch=dispatch)
+                    inputs, targets = r[:, :-1], r[:, 1:]
+                    if self.mesh is not None:
+                        from moelab.parallel.mesh import put_batch
+
+                        inputs, targets, mk = (
+                            put_batch(np.ascontiguousarray(a), self.mesh) for a in (inputs, targets, mk)
+                        )
+                    s, c = self.fn(params, model_state, inputs, targets, mk, dispatch=dispatch)
                     total += float(s)
                     count += float(c)
                 losses[domain] = total / max(count, 1.0)

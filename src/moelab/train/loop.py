@@ -269,7 +269,7 @@ class _Job:
         pmesh.set_active(self.mesh, cfg.mesh.fsdp)  # the train step traces its transports and gathers on it
         shardings = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.state)
         self.step_fn = make_train_step(cfg, self.opt, self.h, shardings)
-        self.evaluator = Evaluator(cfg, store)
+        self.evaluator = Evaluator(cfg, store, mesh=self.mesh)  # runs under the mesh, as the model trains
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
         self.peak, self.peak_source = device_peak(cfg, self.progress)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
@@ -402,11 +402,7 @@ class _Job:
 
     def evaluate(self, done: int) -> dict:
         t0 = time.perf_counter()
-        pmesh.set_active(None)  # evaluation runs the single-device dispatch on the (sharded) weights
-        try:
-            res = self.evaluator(self.state["params"], self.state["model_state"])
-        finally:
-            pmesh.set_active(self.mesh, self.cfg.mesh.fsdp)
+        res = self.evaluator(self.state["params"], self.state["model_state"])
         rec = {
             "kind": "eval",
             "step": done,
