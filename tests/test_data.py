@@ -17,7 +17,7 @@ from moelab.cli import main
 from moelab.config import load_config, replace
 from moelab.data import sources as S
 from moelab.data import store as store_mod
-from moelab.data.mixture import batch_at, build_mixture
+from moelab.data.mixture import batch_at, batch_rows, build_mixture
 from moelab.data.store import build_store, train_tokenizer
 
 
@@ -172,6 +172,20 @@ def test_mixture_proportions_and_phase_change(corpus):
         share = float(np.mean(rows == code))
         sigma = np.sqrt(want * (1 - want) / len(rows))
         assert abs(share - want) < 4 * sigma, (phase, share, want)
+
+
+def test_processes_build_their_own_rows_of_the_same_batch(corpus):
+    """Two processes, each building its half (rows 0-3 and 4-7), give the whole batch exactly."""
+    cfg = data_cfg(corpus)
+    store = build_store(cfg.data, 512, progress=False)
+    mix = build_mixture(cfg, store)
+    whole, domains = batch_at(store, mix, 3, 17, 8, 64)
+    first, d0 = batch_rows(store, mix, 3, 17, 8, 64, 0, 4)
+    second, d1 = batch_rows(store, mix, 3, 17, 8, 64, 4, 8)
+    assert first.shape == second.shape == (4, 65)
+    np.testing.assert_array_equal(np.concatenate([first, second]), whole)
+    np.testing.assert_array_equal(d0, domains)
+    np.testing.assert_array_equal(batch_rows(store, mix, 3, 17, 8, 64, 3, 6)[0], whole[3:6])
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(corpus):

@@ -440,3 +440,9 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(corpus, ep_run
     assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     np.testing.assert_allclose(_losses(out), _losses(ep_run), rtol=0, atol=1e-5)
     assert (out / "ckpt" / "step_00000020").exists() and (out / ".process-1").is_dir()  # one writer
+    from moelab.train.record import read_jsonl
+
+    # each process built only its own half of every batch, and together they are the global batch
+    spans = [[e["batch_rows"] for e in read_jsonl(d / "events.jsonl") if e["event"] == "launch"][0]
+             for d in (out, out / ".process-1")]  # fmt: skip
+    assert spans == [[0, 4], [4, 8]]

@@ -78,12 +78,25 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> M
 
 def batch_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int):
     """Batch ``step``: tokens [batch, seq_len + 1] int32 and each row's domain index [batch]."""
+    return batch_rows(store, mix, seed, step, batch_size, seq_len)
+
+
+def batch_rows(
+    store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int, lo: int = 0, hi=None
+):
+    """Rows [lo, hi) of batch ``step`` (tokens [hi - lo, seq_len + 1]) and every row's domain index.
+
+    Each process of a job builds only the rows its devices hold: every row's domain and window
+    start are drawn (cheap, and in the same order, so the rows are those of the whole batch), and
+    only rows lo..hi are copied out of the streams."""
+    hi = batch_size if hi is None else hi
     rng = np.random.default_rng(np.random.SeedSequence([seed, step]))
     probs = mix.weights[mix.phase_at(step)]
     domain_idx = rng.choice(len(mix.domains), size=batch_size, p=probs)
-    out = np.empty((batch_size, seq_len + 1), np.int32)
+    out = np.empty((hi - lo, seq_len + 1), np.int32)
     for r, di in enumerate(domain_idx):
         stream = store.stream(mix.domains[di], "train")
         start = int(rng.integers(0, len(stream) - seq_len))  # windows may start anywhere, EOTs inside
-        out[r] = stream[start : start + seq_len + 1]
+        if lo <= r < hi:
+            out[r - lo] = stream[start : start + seq_len + 1]
     return out, domain_idx

@@ -235,3 +235,28 @@ def put_batch(batch, mesh):
 
     sharding = batch_sharding(mesh)
     return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+
+
+def local_rows(shape: tuple[int, ...], mesh) -> tuple[int, int]:
+    """The rows [lo, hi) of a batch of ``shape`` split over ``BATCH`` that this process's devices hold."""
+    spans = [
+        (idx[0].start or 0, shape[0] if idx[0].stop is None else idx[0].stop)
+        for idx in batch_sharding(mesh).addressable_devices_indices_map(shape).values()
+    ]
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def put_rows(build, shape: tuple[int, ...], mesh):
+    """A global batch of ``shape`` split over ``BATCH`` in which each process builds only the rows
+    its own devices hold: ``build(lo, hi)`` gives rows lo..hi (the same rows any process would)."""
+    import jax
+
+    lo, hi = local_rows(shape, mesh)
+    block = build(lo, hi)
+
+    def rows(index):
+        a = index[0].start or 0
+        b = shape[0] if index[0].stop is None else index[0].stop
+        return block[a - lo : b - lo]
+
+    return jax.make_array_from_callback(shape, batch_sharding(mesh), rows)

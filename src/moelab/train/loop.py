@@ -20,7 +20,7 @@ import numpy as np
 
 from moelab import accounting
 from moelab.config import Config, config_hash, to_dict
-from moelab.data.mixture import batch_at, build_mixture
+from moelab.data.mixture import batch_at, batch_rows, build_mixture
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.monitor.faults import Injector
@@ -260,6 +260,8 @@ class _Job:
             versions=versions(),
             host=host(),
             devices=[str(d) for d in jax.devices()],
+            # the rows of each batch this process builds (all of them on one device)
+            batch_rows=list(pmesh.local_rows((self.b, self.s_len + 1), self.mesh)) if self.mesh else [0, self.b],
             start_step=self.start,
             store=store.manifest["key"],
             domains=store.domains,
@@ -302,7 +304,7 @@ class _Job:
 
     def step_loop(self, stop) -> None:
         """Every step from the start: a batch, the update, the NaN guard, then logs, evals and checkpoints."""
-        cfg, run, store, inj = self.cfg, self.run, self.store, self.injector
+        run, inj = self.run, self.injector
         if self.start == 0 and not self.cursor_ok:
             say("evaluating the initial model on the held-out windows", self.progress)
             self.evaluate(0)
@@ -321,12 +323,9 @@ class _Job:
                 self.bar.update(1)
                 self.after_step(s, None, timing)
                 continue
-            batch, rows_domain = batch_at(store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
-            if self.mesh is not None:
-                batch = pmesh.put_batch(batch, self.mesh)
             for f in inj.starting(s):
                 run.event("inject", step=s, fault=f.kind, arg=f.arg)
-            batch = inj.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
+            batch = self.batch(s)
             self.state = inj.edit_state(s, self.state)
             t0 = time.perf_counter()
             self.state, metrics = self.step_fn(
@@ -348,6 +347,17 @@ class _Job:
             self.bar.update(1)
             self.after_step(s, metrics, timing)
         self.bar.close()
+
+    def batch(self, s: int):
+        """Step ``s``'s batch: on a mesh each process builds only its devices' rows (all of them when
+        a data-corruption fault, a testing aid, rewrites rows by domain)."""
+        cfg, store, inj = self.cfg, self.store, self.injector
+        args = (store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
+        if self.mesh is not None and not any(f.kind == "data_corruption" for f in inj.active(s)):
+            return pmesh.put_rows(lambda lo, hi: batch_rows(*args, lo, hi)[0], (self.b, self.s_len + 1), self.mesh)
+        batch, rows_domain = batch_at(*args)
+        batch = inj.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
+        return batch if self.mesh is None else pmesh.put_batch(batch, self.mesh)
 
     def finish(self) -> dict:
         summary = summarize(self.run, self.cfg, self.peak, self.peak_source)
