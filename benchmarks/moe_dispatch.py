@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import load_config
-from moelab.model import moe
 from moelab.model.moe import moe_block
 from moelab.model.transformer import init_params
 
@@ -63,17 +62,11 @@ def main() -> None:
     rows = {}
     for name in ("capacity", "spill", "dropless", "dropless-ragged"):
         dispatch = name.split("-")[0]
-        mm = dataclasses.replace(m, dispatch=dispatch)
-        ragged = name.endswith("ragged")
+        # the ragged_dot reference path, which the CPU default replaces (model.moe_impl)
+        mm = dataclasses.replace(m, dispatch=dispatch, moe_impl="ragged" if name.endswith("ragged") else "auto")
 
-        def loss(p, x, mm=mm, dispatch=dispatch, ragged=ragged):
-            saved = moe.dropless
-            if ragged:  # the ragged_dot reference path, which the CPU default replaces
-                moe.dropless = moe.dropless_ragged
-            try:
-                y, metrics, _ = moe_block(p, x, bias, mm, dispatch)
-            finally:
-                moe.dropless = saved
+        def loss(p, x, mm=mm, dispatch=dispatch):
+            y, metrics, _ = moe_block(p, x, bias, mm, dispatch)
             return jnp.sum(y * y), metrics["dropped_frac"]
 
         fn = jax.jit(jax.value_and_grad(loss, has_aux=True))

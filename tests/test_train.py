@@ -195,6 +195,20 @@ def _micro(corpus, *more):
     return load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", *more])
 
 
+def test_training_through_ragged_dot_equals_the_default(corpus, tmp_path):
+    """The train loop with model.moe_impl=ragged (the GPU and TPU default, run here on CPU) gives
+    the CPU default's losses."""
+    sets = ["train.steps=4", "train.eval_every=4", "model.dispatch=dropless", "model.eval_dispatch="]
+    train(_micro(corpus, *sets), tmp_path / "auto", progress=False)
+    train(_micro(corpus, *sets, "model.moe_impl=ragged"), tmp_path / "ragged", progress=False)
+
+    def losses(d):
+        return [r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r["kind"] == "train"]
+
+    assert len(losses("ragged")) == 4
+    np.testing.assert_allclose(losses("ragged"), losses("auto"), rtol=0, atol=1e-4)
+
+
 def test_nan_step_is_skipped(corpus, tmp_path):
     cfg = _micro(corpus, "train.steps=12", "train.poison_steps=[5]", "train.eval_every=12")
     summary = train(cfg, tmp_path / "run", progress=False)

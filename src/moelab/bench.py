@@ -129,7 +129,11 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     times = np.array(times)
     steps_peak = peak_rss_since_reset() if separate else peak_rss_bytes()
     med = float(np.median(times))
-    peak = matmul_peak(dtype=cfg.model.compute_dtype)
+    from moelab import devices
+
+    kind = jax.devices()[0].device_kind
+    published = None if jax.default_backend() == "cpu" else devices.peak_flops(kind, cfg.model.compute_dtype)
+    peak = published or matmul_peak(dtype=cfg.model.compute_dtype)  # an accelerator's published peak, else measured
     count = accounting.count(cfg)
     flops_per_token = 3 * count.forward_flops_per_token
     tps = b * s / med
@@ -165,6 +169,8 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
         "model_flops_per_token": flops_per_token,
         "achieved_flops_per_s": tps * flops_per_token,
         "matmul_peak_flops_per_s": peak,
+        "peak_source": "published" if published else "measured",
+        "device_kind": kind,
         "compute_dtype": cfg.model.compute_dtype,
         "mfu": tps * flops_per_token / peak,
         "final_loss": float(metrics["loss"]),

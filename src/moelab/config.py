@@ -27,6 +27,7 @@ from moelab.train.schedule import parse_replans
 ROUTERS = ("softmax", "sigmoid")
 BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
+MOE_IMPLS = ("auto", "ragged", "blocks", "loop")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "layer")
@@ -67,6 +68,9 @@ class ModelConfig:
     logit_z_loss: float = 1e-4
     # dispatch
     dispatch: str = "dropless"
+    # how dropless computes: ragged_dot (grouped matmuls), blocks (batched), loop (over used blocks);
+    # auto: ragged_dot on GPU and TPU, loop or blocks on CPU by the experts' size
+    moe_impl: str = "auto"
     eval_dispatch: str = ""  # "" = same as dispatch
     capacity_factor: float = 1.25
     drop_order: str = "position"
@@ -171,6 +175,7 @@ class ModelConfig:
             ("router", ROUTERS),
             ("bias_update", BIAS_UPDATES),
             ("dispatch", DISPATCHES),
+            ("moe_impl", MOE_IMPLS),
             ("drop_order", DROP_ORDERS),
             ("compute_dtype", DTYPES),
             ("remat", REMATS),
@@ -593,7 +598,10 @@ def to_dict(cfg: Config) -> dict:
 
 
 # fields added after runs were recorded: at these values they leave a config's hash as it was
-HASH_NEUTRAL = {("mesh", "fsdp"): True}  # spill_choices changes what spill does: it is hashed
+HASH_NEUTRAL = {
+    ("mesh", "fsdp"): True,
+    ("model", "moe_impl"): "auto",
+}  # spill_choices changes what spill does: it is hashed
 
 
 def config_hash(cfg: Config) -> str:

@@ -15,6 +15,10 @@ def cmd_bench_train_step(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name == "steps" else 0):
             raise UsageError(f"--{name}: must be >= {1 if name == 'steps' else 0}, got {getattr(args, name)}")
     cfg = shape_config(args.preset, **{k: getattr(args, k) for k in SHAPE_FLAGS})
+    if args.overrides:
+        from moelab.config import load_config
+
+        cfg = load_config(cfg, args.overrides)
     result = bench_train_step(cfg, steps=args.steps, warmup=args.warmup)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -37,6 +41,10 @@ def register(sub) -> None:
     )
     for name, (field, kind, default) in SHAPE_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"{field} (default {default})")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="any other field, for example --set model.moe_impl=ragged (repeatable)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one (default 2)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the summary")

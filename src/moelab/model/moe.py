@@ -196,10 +196,13 @@ def dropless_loop(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> ja
 LOOP_MIN_EXPERT_SIZE = 128 * 128  # din x f at which the loop beats one batched matmul on CPU
 
 
-def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
-    """Dropless dispatch: ragged_dot where the backend has grouped matmuls; on CPU the loop over
-    used blocks for experts of at least 128 x 128, the batched blocks below that (tiny experts:
-    the loop's per-block cost and compile time outweigh what it saves)."""
+def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict, impl: str = "auto") -> jax.Array:
+    """Dropless dispatch by ``impl`` (``model.moe_impl``): ``auto`` is ragged_dot where the backend
+    has grouped matmuls; on CPU the loop over used blocks for experts of at least 128 x 128, the
+    batched blocks below that (tiny experts: the loop's per-block cost and compile time outweigh
+    what it saves). All give the same numbers (tests/test_moe.py)."""
+    if impl != "auto":
+        return {"ragged": dropless_ragged, "blocks": dropless_blocks, "loop": dropless_loop}[impl](h, idx, gates, w)
     if jax.default_backend() == "cpu":
         din, f = w["w_gate"].shape[1:]
         return dropless_loop(h, idx, gates, w) if din * f >= LOOP_MIN_EXPERT_SIZE else dropless_blocks(h, idx, gates, w)
@@ -305,7 +308,7 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
         ops = ep.ExpertOps(expert_ffn, place_capacity, place_spill, _ranks)
         return ep.ep_routed_experts(h, r, w, m, mesh, ops, dropless=dispatch == "dropless")
     if dispatch == "dropless":
-        y = dropless(h, r.idx, r.gates, w)
+        y = dropless(h, r.idx, r.gates, w, m.moe_impl)
         done = rt.expert_load(r.idx, n_experts)
         zero = jnp.zeros((), jnp.float32)
         return y, {"dropped_frac": zero, "spilled_frac": zero, "tokens_per_expert": done}
