@@ -28,11 +28,14 @@ def test_rope_matches_pairwise_rotation(fraction):
     np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["blocked", "xla"])
 @pytest.mark.parametrize(
     "window,kv_alloc,kv,fraction",
     [(0, 2, 2, 1.0), (3, 2, 2, 0.5), (0, 4, 1, 1.0), (4, 4, 2, 0.5)],
 )
-def test_attention_matches_loop_reference(window, kv_alloc, kv, fraction):
+def test_attention_matches_loop_reference(window, kv_alloc, kv, fraction, impl):
+    """Each path (moelab's blocked one; jax.nn.dot_product_attention, whose cudnn kernel GPUs use)
+    against a loop over positions, with the window and grouped kv heads."""
     d, heads, hd, s = 16, 4, 4, 7
     rng = np.random.default_rng(1)
     p = {
@@ -49,9 +52,27 @@ def test_attention_matches_loop_reference(window, kv_alloc, kv, fraction):
         n_kv_alloc=kv_alloc,
         n_kv=kv,
         eps=1e-6,
+        impl=impl,
         **kw,
     )
     np.testing.assert_allclose(fast, attention_reference(p, x, n_kv=kv, **kw), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window,kv", [(0, 2), (5, 1)])
+def test_attention_paths_have_the_same_gradients(window, kv):
+    rng = np.random.default_rng(2)
+    d, heads, hd = 16, 4, 8
+    p = {k: jnp.asarray(rng.normal(size=shape) / 4, jnp.float32) for k, shape in
+         (("wq", (d, heads * hd)), ("wk", (d, kv * hd)), ("wv", (d, kv * hd)), ("wo", (heads * hd, d)))}  # fmt: skip
+    x = jnp.asarray(rng.normal(size=(2, 12, d)), jnp.float32)
+    kw = dict(n_heads=heads, n_kv_alloc=kv, n_kv=kv, head_dim=hd, window=window, rope_fraction=0.5,
+              rope_theta=1000.0, eps=1e-6)  # fmt: skip
+
+    def grads(impl):
+        return jax.grad(lambda p, x: jnp.sum(attention(p, x, impl=impl, **kw) ** 2), argnums=(0, 1))(p, x)
+
+    for a, b in zip(jax.tree.leaves(grads("xla")), jax.tree.leaves(grads("blocked")), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def small_lm(**model):
@@ -289,3 +310,17 @@ def test_every_moe_impl_gives_the_same_model():
             for impl in ("ragged", "blocks")}  # fmt: skip
     assert bf16["ragged"] == pytest.approx(bf16["blocks"], rel=2e-2)
     assert bf16["ragged"] == pytest.approx(float(ref_loss), rel=5e-2)
+
+
+def test_the_model_through_dot_product_attention_equals_the_blocked_path():
+    import dataclasses
+
+    m, p, st = small_lm(sliding_window=4, n_kv_heads=1, n_kv_heads_local=2, global_every=2)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, m.seq_len + 1), 0, m.vocab_size)
+
+    def loss(impl):
+        mm = dataclasses.replace(m, attention_impl=impl)
+        return float(jax.jit(lambda q: loss_fn(q, st, tokens[:, :-1], tokens[:, 1:], mm)[0])(p))
+
+    assert loss("xla") == pytest.approx(loss("blocked"), abs=1e-5)
+    assert loss("auto") == loss("blocked")  # on CPU auto is the blocked path

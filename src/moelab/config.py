@@ -28,6 +28,7 @@ ROUTERS = ("softmax", "sigmoid")
 BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
 MOE_IMPLS = ("auto", "ragged", "blocks", "loop")
+ATTENTION_IMPLS = ("auto", "blocked", "xla", "cudnn")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "layer")
@@ -71,6 +72,9 @@ class ModelConfig:
     # how dropless computes: ragged_dot (grouped matmuls), blocks (batched), loop (over used blocks);
     # auto: ragged_dot on GPU and TPU, loop or blocks on CPU by the experts' size
     moe_impl: str = "auto"
+    # attention: blocked (moelab's query blocks; XLA:CPU's fastest), xla or cudnn (jax.nn.dot_product_attention;
+    # cudnn = the fused flash kernel); auto: cudnn on NVIDIA GPUs, blocked elsewhere
+    attention_impl: str = "auto"
     eval_dispatch: str = ""  # "" = same as dispatch
     capacity_factor: float = 1.25
     drop_order: str = "position"
@@ -176,6 +180,7 @@ class ModelConfig:
             ("bias_update", BIAS_UPDATES),
             ("dispatch", DISPATCHES),
             ("moe_impl", MOE_IMPLS),
+            ("attention_impl", ATTENTION_IMPLS),
             ("drop_order", DROP_ORDERS),
             ("compute_dtype", DTYPES),
             ("remat", REMATS),

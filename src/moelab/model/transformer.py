@@ -88,6 +88,14 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
 
+def attention_impl(m: ModelConfig) -> str:
+    """``model.attention_impl``, with ``auto`` resolved: the fused cuDNN kernel on NVIDIA GPUs, else
+    moelab's blocked path."""
+    if m.attention_impl != "auto":
+        return m.attention_impl
+    return "cudnn" if jax.default_backend() == "gpu" else "blocked"
+
+
 def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, dispatch: str, capture: bool):
     """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step).
 
@@ -107,6 +115,7 @@ def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, di
             rope_fraction=m.rope_fraction,
             rope_theta=m.rope_theta,
             eps=m.norm_eps,
+            impl=attention_impl(m),
         )
     x = x + a
     h = rms_norm(x, p["mlp_norm"], m.norm_eps)
