@@ -79,6 +79,9 @@ def env(corpus, tmp_path_factory):
 # {run}: the trained run, {trunc}: a run whose config.json is cut short
 CASES = [
     # the memory plan
+    ("plan memory tiny --mesh data=2 --set model.attention_impl=cudnn", "model.attention_impl: cudnn needs"),
+    ("train tiny --set model.attention_impl=cudnn --out {t}/o", "model.attention_impl: cudnn needs"),
+    ("train tiny --set model.moe_impl=fast --out {t}/o", "model.moe_impl"),
     ("plan memory tiny --mesh data=2,expert=x", "--mesh"),
     ("plan memory tiny --mesh nodes=4", "--mesh"),
     ("plan memory tiny --mesh data=2,expert=3", "expert=3 does not divide"),

@@ -58,6 +58,11 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     from moelab.train import memory
 
     cfg = load_config(args.config, args.overrides)
+    from moelab.errors import ConfigError
+    from moelab.model.transformer import backend_problems
+
+    if problems := backend_problems(cfg.model):  # the plan traces the model on this machine
+        raise ConfigError(problems)
     out = memory.plan(
         cfg, data, expert, micro_batch=args.micro_batch, device=args.device, device_memory_gb=args.device_memory
     )

@@ -88,6 +88,16 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
 
+def backend_problems(m: ModelConfig) -> list[str]:
+    """What this machine's JAX backend cannot run of ``m``, one line each (checked before a run starts)."""
+    if m.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+        return [
+            f"model.attention_impl: cudnn needs an NVIDIA GPU and JAX runs on {jax.default_backend()}; "
+            f"use auto (cudnn on a GPU, blocked here), blocked or xla"
+        ]
+    return []
+
+
 def attention_impl(m: ModelConfig) -> str:
     """``model.attention_impl``, with ``auto`` resolved: the fused cuDNN kernel on NVIDIA GPUs, else
     moelab's blocked path."""

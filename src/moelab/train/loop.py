@@ -183,7 +183,9 @@ def train(
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
     cfg = _check_resume(run, cfg, resume)
-    if problems := cfg.check_vocab():
+    from moelab.model.transformer import backend_problems
+
+    if problems := cfg.check_vocab() + backend_problems(cfg.model):
         raise ConfigError(problems)
     job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
     job.prepare_data()
