@@ -22,6 +22,7 @@ SCRIPTS = [
     ["store_memory.py"],
     ["first_minute.py"],
     ["memory_plan.py"],
+    ["compile_depth.py"],
     ["memory_plan.py", "--data", "11", "--expert", "64", "--micro-batch", "1", "--out", "memory_plan_704.json"],
 ]
 

@@ -324,3 +324,26 @@ def test_the_model_through_dot_product_attention_equals_the_blocked_path():
 
     assert loss("xla") == pytest.approx(loss("blocked"), abs=1e-5)
     assert loss("auto") == loss("blocked")  # on CPU auto is the blocked path
+
+
+@pytest.mark.parametrize("layers", [5, 2])
+def test_layers_as_a_scan_equal_unrolled_layers(layers):
+    """model.scan_layers: a scan over whole local/global periods (and the rest unrolled) gives the
+    unrolled model's loss, metrics, router biases and gradients; 2 layers is too few to scan."""
+    import dataclasses
+
+    m, p, st = small_lm(n_layers=layers, sliding_window=4, n_kv_heads=1, n_kv_heads_local=2, global_every=2,
+                        router="sigmoid", bias_update="quantile")  # fmt: skip
+    tokens = jax.random.randint(jax.random.PRNGKey(6), (2, m.seq_len + 1), 0, m.vocab_size)
+
+    def run(scan):
+        mm = dataclasses.replace(m, scan_layers=scan)
+        fn = jax.value_and_grad(lambda q: loss_fn(q, st, tokens[:, :-1], tokens[:, 1:], mm), has_aux=True)
+        jaxpr = str(jax.make_jaxpr(fn)(p))
+        return jax.jit(fn)(p), jaxpr.count(" scan[")
+
+    (ref, ref_grads), scans_ref = run("unrolled")
+    (got, grads), scans = run("scan")
+    assert (scans > scans_ref) == (layers == 5)  # the layers' own scan (and its transpose), where there are 2 periods
+    for a, b in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((ref, ref_grads)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

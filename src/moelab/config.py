@@ -29,6 +29,7 @@ BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
 MOE_IMPLS = ("auto", "ragged", "blocks", "loop")
 ATTENTION_IMPLS = ("auto", "blocked", "xla", "cudnn")
+SCAN_LAYERS = ("auto", "scan", "unrolled")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "layer")
@@ -88,6 +89,9 @@ class ModelConfig:
     compute_dtype: str = "float32"
     # memory for large models
     remat: str = "none"  # "layer": keep only each layer's input, recompute the layer in the backward pass
+    # layers as a lax.scan over whole local/global periods: compile time that does not grow with depth.
+    # auto: on an accelerator, or from SCAN_MIN_LAYERS layers (shallow CPU models step faster unrolled)
+    scan_layers: str = "auto"
     ce_chunk: int = 0  # tokens per chunk of the LM head's cross-entropy (logits never whole); 0 = one chunk
 
     @property
@@ -181,6 +185,7 @@ class ModelConfig:
             ("dispatch", DISPATCHES),
             ("moe_impl", MOE_IMPLS),
             ("attention_impl", ATTENTION_IMPLS),
+            ("scan_layers", SCAN_LAYERS),
             ("drop_order", DROP_ORDERS),
             ("compute_dtype", DTYPES),
             ("remat", REMATS),
