@@ -69,7 +69,8 @@ def test_hero_state_by_marin_accounting():
 
 @pytest.mark.parametrize(
     "sets,mesh",
-    [(MICRO + ["train.batch_size=8"], (2, 4)), (["train.batch_size=8", "model.remat=layer", "model.n_layers=8"], (1, 8))],
+    [(MICRO + ["train.batch_size=8"], (2, 4)),
+     pytest.param(["train.batch_size=8", "model.remat=layer", "model.n_layers=8"], (1, 8), marks=pytest.mark.slow)],
     ids=["micro-2x4", "tiny-remat-1x8"],
 )  # fmt: skip
 def test_plan_within_15pct_of_the_compiler(sets, mesh):

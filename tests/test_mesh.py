@@ -67,7 +67,12 @@ CASES = {
 
 @pytest.mark.parametrize(
     "shape,case",
-    [((8, 1), "latent-shared"), ((2, 4), "latent-shared"), ((4, 2), "plain"), ((4, 2), "muon")],
+    [
+        pytest.param((8, 1), "latent-shared", marks=pytest.mark.slow),
+        ((2, 4), "latent-shared"),
+        pytest.param((4, 2), "plain", marks=pytest.mark.slow),
+        ((4, 2), "muon"),
+    ],
     ids=["8x1-latent-shared", "2x4-latent-shared", "4x2-plain", "4x2-muon"],
 )
 def test_fsdp_step_equals_single_device(shape, case):
@@ -134,7 +139,7 @@ def test_fsdp_checkpoints_restore_across_meshes(tmp_path, saved, restored):
     assert wq.addressable_shards[0].data.shape[1] == want
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=["2x4", "8x1"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)], ids=["2x4", "8x1"])
 def test_evaluation_under_the_mesh_equals_one_device(shape):
     """The held-out loss computed under the training mesh (FSDP gathers, the transports for EP,
     dropless) equals one device's: the summed nats and the count of a masked batch."""

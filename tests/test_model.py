@@ -58,7 +58,7 @@ def test_attention_matches_loop_reference(window, kv_alloc, kv, fraction, impl):
     np.testing.assert_allclose(fast, attention_reference(p, x, n_kv=kv, **kw), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window,kv", [(0, 2), (5, 1)])
+@pytest.mark.parametrize("window,kv", [pytest.param(0, 2, marks=pytest.mark.slow), (5, 1)])
 def test_attention_paths_have_the_same_gradients(window, kv):
     rng = np.random.default_rng(2)
     d, heads, hd = 16, 4, 8
@@ -326,7 +326,7 @@ def test_the_model_through_dot_product_attention_equals_the_blocked_path():
     assert loss("auto") == loss("blocked")  # on CPU auto is the blocked path
 
 
-@pytest.mark.parametrize("layers", [5, 2])
+@pytest.mark.parametrize("layers", [5, pytest.param(2, marks=pytest.mark.slow)])
 def test_layers_as_a_scan_equal_unrolled_layers(layers):
     """model.scan_layers: a scan over whole local/global periods (and the rest unrolled) gives the
     unrolled model's loss, metrics, router biases and gradients; 2 layers is too few to scan."""

@@ -195,6 +195,7 @@ def _micro(corpus, *more):
     return load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", *more])
 
 
+@pytest.mark.slow  # two short runs (~40 s); the model-level ragged test stays in the default run
 def test_training_through_ragged_dot_equals_the_default(corpus, tmp_path):
     """The train loop with model.moe_impl=ragged (the GPU and TPU default, run here on CPU) gives
     the CPU default's losses."""
