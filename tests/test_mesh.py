@@ -71,7 +71,7 @@ CASES = {
         pytest.param((8, 1), "latent-shared", marks=pytest.mark.slow),
         ((2, 4), "latent-shared"),
         pytest.param((4, 2), "plain", marks=pytest.mark.slow),
-        ((4, 2), "muon"),
+        pytest.param((4, 2), "muon", marks=pytest.mark.slow),
     ],
     ids=["8x1-latent-shared", "2x4-latent-shared", "4x2-plain", "4x2-muon"],
 )
