@@ -148,6 +148,20 @@ def scans(m: ModelConfig) -> bool:
     return jax.default_backend() != "cpu" or m.n_layers >= SCAN_MIN_LAYERS
 
 
+def scan_blocks(m: ModelConfig) -> tuple[int, int]:
+    """(layers per scanned block, layers scanned): whole periods of the local/global pattern, or
+    (1, 0) when there are fewer than two periods or the pattern is not periodic (all unrolled)."""
+    period = m.global_every if m.sliding_window and m.global_every > 0 else 1
+    n_full = m.n_layers // period * period
+
+    def same(i):
+        return (m.is_global(i), m.layer_kv_heads(i)) == (m.is_global(i % period), m.layer_kv_heads(i % period))
+
+    if n_full < 2 * period or not all(same(i) for i in range(n_full)):
+        return 1, 0
+    return period, n_full
+
+
 def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool):
     """Layers as a ``lax.scan`` over whole periods of the local/global pattern: the step compiles
     one period whatever the depth. Layers past the last whole period (and all of them when there
@@ -159,10 +173,8 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
     (measured). A loop's reverse pass cannot be hoisted. Returns x, the first layer not done,
     metrics and biases per layer.
     """
-    period = m.global_every if m.sliding_window and m.global_every > 0 else 1
-    n_full = m.n_layers // period * period
-    same = lambda i: (m.is_global(i), m.layer_kv_heads(i)) == (m.is_global(i % period), m.layer_kv_heads(i % period))  # noqa: E731
-    if n_full < 2 * period or not all(same(i) for i in range(n_full)):
+    period, n_full = scan_blocks(m)
+    if not n_full:
         return x, 0, [], []
     fold = lambda a: a[:n_full].reshape((n_full // period, period) + a.shape[1:])  # noqa: E731
 

@@ -186,14 +186,9 @@ def _head_residuals(cfg: Config, b: int) -> int:
 def _remat_blocks(m) -> tuple[int, int, int]:
     """How ``model.remat: layer`` runs (model/transformer.py): (layers per scanned block, scanned
     layers, layers rematerialised one by one)."""
-    period = m.global_every if m.sliding_window and m.global_every > 0 else 1
-    n_full = m.n_layers // period * period
+    from moelab.model.transformer import scan_blocks
 
-    def same(i):
-        return (m.is_global(i), m.layer_kv_heads(i)) == (m.is_global(i % period), m.layer_kv_heads(i % period))
-
-    if n_full < 2 * period or not all(same(i) for i in range(n_full)):
-        return 1, 0, m.n_layers
+    period, n_full = scan_blocks(m)
     return period, n_full, m.n_layers - n_full
 
 
