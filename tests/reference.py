@@ -134,3 +134,14 @@ def forward_reference(params: dict, state: dict, tokens, m: ModelConfig) -> np.n
         jp = {k: jnp.asarray(v) for k, v in p.items()}
         x = x + np.asarray(moe_reference(jp, h, state["router_bias"][i], m), np.float64)
     return norm(x, params["final_norm"])
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr, nested ones (loops, shard_map, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)

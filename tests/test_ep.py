@@ -18,7 +18,7 @@ from moelab.model.moe import moe_block
 from moelab.model.transformer import init_params
 from moelab.parallel import mesh as pmesh
 from moelab.parallel.ep import ExpertOps, ep_routed_experts, pool_size, slots_per_expert
-from reference import moe_reference, reference_choices
+from reference import jaxpr_eqns, moe_reference, reference_choices
 
 TRANSPORTS = ["fixed", "spill", "pooled_wave"]
 
@@ -29,7 +29,7 @@ def _no_mesh_left_behind():
     pmesh.set_active(None)
 
 
-OPS = ExpertOps(moe.expert_ffn, moe.place_capacity, moe.place_spill, moe._ranks)
+OPS = ExpertOps(moe.expert_ffn, moe.place_capacity, moe.place_spill, moe._ranks, moe.dropless)
 
 
 def mesh_of(data, expert):
@@ -167,6 +167,65 @@ def test_pooled_wave_drops_equal_the_rule_by_hand(cf, waves):
         xt, r.idx, r.gates, ok
     )
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def exchanged_rows(fn, *args) -> list[int]:
+    """Rows of every all_to_all operand in fn's program (leading [devices, rows] dims multiplied)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [math.prod(e.invars[0].aval.shape[:2]) for e in jaxpr_eqns(jaxpr) if e.primitive.name == "all_to_all"]
+
+
+@pytest.mark.parametrize(
+    "case,shape",
+    [(dict(latent_dim=0, n_shared=0), (1, 8)), (LATENT, (2, 4)), (dict(n_routed=8, top_k=3, n_shared=0), (1, 8))],
+    ids=["plain-1x8", "latent-shared-2x4", "top3-of-8-1x8"],
+)
+def test_dropless_equals_one_device_with_buffers_of_at_most_t_times_k_rows(case, shape):
+    m, p, x, bias = layer(**case)
+    y_ref, _, g_ref = run_block(m, p, x, bias, "dropless")
+    mesh = mesh_of(*shape)
+    y, metrics, g = run_block(m, p, x, bias, "dropless", mesh)
+    assert float(metrics["dropped_frac"]) == 0.0
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # every buffer that travels, forward and backward, holds at most t*k rows (t = one device's tokens)
+    t = x.shape[0] * x.shape[1] // 8
+    pmesh.set_active(mesh)
+    grad = jax.grad(lambda p, x: jnp.sum(moe_block(p, x, bias, m, "dropless")[0]), argnums=(0, 1))
+    rows = exchanged_rows(grad, p, x)
+    pmesh.set_active(None)
+    assert len(rows) >= 4  # out and back, forward and backward
+    assert max(rows) <= max(t * m.top_k, 8), rows
+
+
+def test_dropless_in_rounds_when_every_token_goes_to_one_device():
+    """All 64 tokens routed to experts 0 and 1 (device 0), top-2: each sender has 16 assignments
+    for device 0 and rounds of 8 // 8 * 2 = 2 rows, so 8 rounds; the output and the gradients
+    equal one device's dropless, and no buffer grows."""
+    m, p, _, _ = layer(n_shared=0, top_k=2, router="softmax")
+    w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
+    h = jax.random.normal(jax.random.PRNGKey(4), (64, m.d_model))
+    logits = jnp.full((64, m.n_routed), -10.0).at[:, 0].set(10.0).at[:, 1].set(9.0)
+    r = rt.route(logits, jnp.zeros((m.n_routed,)), m)
+    assert set(np.asarray(r.idx).ravel()) == {0, 1}
+    mesh = mesh_of(1, 8)
+    probe = jax.random.normal(jax.random.PRNGKey(5), h.shape)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda h, g, w: jnp.sum(fn(h, g, w) * probe), argnums=(0, 1, 2)))
+
+    def on_mesh(h, g, w):
+        return ep_routed_experts(h, r._replace(gates=g), w, m, mesh, OPS, dropless=True)[0]
+
+    want, g_want = loss(lambda h, g, w: moe.dropless(h, r.idx, g, w))(h, r.gates, w)
+    got, g_got = loss(on_mesh)(h, r.gates, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert (
+        max(exchanged_rows(jax.grad(lambda h, g, w: jnp.sum(on_mesh(h, g, w)), argnums=(0, 1, 2)), h, r.gates, w)) == 16
+    )
 
 
 def forced_routing(m, dest_expert: np.ndarray):

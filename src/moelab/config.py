@@ -28,7 +28,7 @@ ROUTERS = ("softmax", "sigmoid")
 BIAS_UPDATES = ("none", "quantile", "sign")
 DISPATCHES = ("dropless", "capacity", "spill")
 MOE_IMPLS = ("auto", "ragged", "blocks", "loop")
-ATTENTION_IMPLS = ("auto", "blocked", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "blocked", "flash", "xla", "cudnn")
 SCAN_LAYERS = ("auto", "scan", "unrolled")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
@@ -73,8 +73,9 @@ class ModelConfig:
     # how dropless computes: ragged_dot (grouped matmuls), blocks (batched), loop (over used blocks);
     # auto: ragged_dot on GPU and TPU, loop or blocks on CPU by the experts' size
     moe_impl: str = "auto"
-    # attention: blocked (moelab's query blocks; XLA:CPU's fastest), xla or cudnn (jax.nn.dot_product_attention;
-    # cudnn = the fused flash kernel); auto: cudnn on NVIDIA GPUs, blocked elsewhere
+    # attention: blocked (moelab's query blocks; XLA:CPU's fastest below 2048 tokens), flash (blocks with an
+    # online softmax, no [s, s] buffer), xla or cudnn (jax.nn.dot_product_attention; cudnn = the fused flash
+    # kernel); auto: cudnn on NVIDIA GPUs, elsewhere blocked below 2048 tokens and flash from there
     attention_impl: str = "auto"
     eval_dispatch: str = ""  # "" = same as dispatch
     capacity_factor: float = 1.25

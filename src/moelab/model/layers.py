@@ -5,6 +5,8 @@ Layers are functions ``f(params, x, ...)`` over plain arrays; nothing holds stat
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -66,6 +68,142 @@ def auto_query_chunks(seq: int) -> int:
     return 1
 
 
+FLASH_BLOCK = 512  # query and key rows per block of the flash path
+
+
+def _block_mask(qi: jax.Array, kj: jax.Array, window: int) -> jax.Array:
+    """Which (query, key) pairs of a block may attend: causal, and within the window. Positions in."""
+    ok = kj[None, :] <= qi[:, None]
+    if window:
+        ok = ok & (qi[:, None] - kj[None, :] < window)
+    return ok
+
+
+def _key_blocks(i, block: int, window: int):
+    """The key blocks [lo, hi) that query block i can see (block size ``block`` both ways)."""
+    hi = i + 1
+    lo = jnp.maximum(0, (i * block - window + 1) // block) if window else 0
+    return lo, hi
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0, block: int = FLASH_BLOCK) -> jax.Array:
+    """Causal attention by blocks with an online softmax, forward and backward: no [s, s] buffer.
+
+    q: [b, kv, g, s, hd] (already scaled), k and v: [b, kv, s, hd] -> [b, kv, g, s, hd]. Each query
+    block visits only the key blocks it can see (causal, the window); the forward keeps the output
+    and each row's log-sum-exp, and the hand-written backward recomputes each block's probabilities.
+    The largest temporary is one block's [b, kv, g*block, block] scores. A sequence that is not a
+    multiple of the block is padded at the end: causality hides the padded keys from real queries.
+    """
+    b, n_kv, g, s, hd = q.shape
+    block = min(block, -(-s // 8) * 8)
+    pad = -s % block
+    if pad:
+        q = jnp.pad(q, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+        k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k, v))
+    out = _flash(q, k, v, window, block)
+    return out[:, :, :, :s] if pad else out
+
+
+def _rows(a: jax.Array, i, block: int) -> jax.Array:
+    """Block i of a [b, kv, g, s, hd] array as [b, kv, g*block, hd] (a group's heads along the rows)."""
+    b, n_kv, g, _, hd = a.shape
+    return jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=3).reshape(b, n_kv, g * block, hd)
+
+
+def _flash_scores(qi, kj, i, j, block: int, g: int, window: int):
+    """One block's scores (fp32) and its mask, [b, kv, g*block, block]."""
+    qpos = jnp.tile(i * block + jnp.arange(block), g)
+    ok = _block_mask(qpos, j * block + jnp.arange(block), window)
+    return jnp.einsum("bkqh,bkph->bkqp", qi, kj, preferred_element_type=jnp.float32), ok
+
+
+def _flash_forward(q, k, v, window: int, block: int):
+    b, n_kv, g, s, hd = q.shape
+    n = s // block
+    kb = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2)  # noqa: E731
+
+    def query_block(i):
+        qi = _rows(q, i, block)
+
+        def key_block(j, carry):
+            m, total, acc = carry
+            sc, ok = _flash_scores(qi, kb(k, j), i, j, block, g, window)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(ok, sc, -jnp.inf), axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            pr = jnp.where(ok, jnp.exp(sc - m_safe[..., None]), 0.0)
+            decay = jnp.exp(m - m_safe)  # 0 while the row has seen nothing (m = -inf)
+            total = total * decay + jnp.sum(pr, axis=-1)
+            acc = acc * decay[..., None] + jnp.einsum("bkqp,bkph->bkqh", pr.astype(v.dtype), kb(v, j),
+                                                       preferred_element_type=jnp.float32)  # fmt: skip
+            return m_new, total, acc
+
+        lo, hi = _key_blocks(i, block, window)
+        rows = (b, n_kv, g * block)
+        init = (
+            jnp.full(rows, -jnp.inf, jnp.float32),
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows + (hd,), jnp.float32),
+        )
+        m, total, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+        out = (acc / total[..., None]).astype(q.dtype).reshape(b, n_kv, g, block, hd)
+        return out, (m + jnp.log(total)).reshape(b, n_kv, g, block)
+
+    outs, lse = jax.lax.map(query_block, jnp.arange(n))  # [n, b, kv, g, block, ...]
+    out = jnp.moveaxis(outs, 0, 3).reshape(b, n_kv, g, s, hd)
+    return out, jnp.moveaxis(lse, 0, 3).reshape(b, n_kv, g, s)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q, k, v, window: int, block: int):
+    return _flash_forward(q, k, v, window, block)[0]
+
+
+def _flash_fwd(q, k, v, window, block):
+    out, lse = _flash_forward(q, k, v, window, block)
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(window, block, res, d_out):
+    q, k, v, out, lse = res
+    b, n_kv, g, s, hd = q.shape
+    n = s // block
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, kv, g, s]
+    kb = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2)  # noqa: E731
+
+    def query_block(i, carry):
+        dq, dk, dv = carry
+        qi, doi = _rows(q, i, block), _rows(d_out, i, block)
+        lse_i = jax.lax.dynamic_slice_in_dim(lse, i * block, block, axis=3).reshape(b, n_kv, g * block)
+        delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3).reshape(b, n_kv, g * block)
+
+        def key_block(j, carry):
+            dqi, dk, dv = carry
+            kj, vj = kb(k, j), kb(v, j)
+            sc, ok = _flash_scores(qi, kj, i, j, block, g, window)
+            pr = jnp.where(ok, jnp.exp(sc - lse_i[..., None]), 0.0)
+            dp = jnp.einsum("bkqh,bkph->bkqp", doi, vj, preferred_element_type=jnp.float32)
+            ds = (pr * (dp - delta_i[..., None])).astype(q.dtype)
+            dqi = dqi + jnp.einsum("bkqp,bkph->bkqh", ds, kj, preferred_element_type=jnp.float32)
+            upd = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, kb(a, j) + x, j * block, axis=2)  # noqa: E731
+            dk = upd(dk, jnp.einsum("bkqp,bkqh->bkph", ds, qi, preferred_element_type=jnp.float32))
+            dv = upd(dv, jnp.einsum("bkqp,bkqh->bkph", pr.astype(q.dtype), doi, preferred_element_type=jnp.float32))
+            return dqi, dk, dv
+
+        lo, hi = _key_blocks(i, block, window)
+        dqi = jnp.zeros((b, n_kv, g * block, hd), jnp.float32)
+        dqi, dk, dv = jax.lax.fori_loop(lo, hi, key_block, (dqi, dk, dv))
+        dq = jax.lax.dynamic_update_slice_in_dim(dq, dqi.reshape(b, n_kv, g, block, hd), i * block, axis=3)
+        return dq, dk, dv
+
+    zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
+    dq, dk, dv = jax.lax.fori_loop(0, n, query_block, (zeros(q), zeros(k), zeros(v)))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
 def attention(
     p: dict,
     x: jax.Array,
@@ -80,14 +218,17 @@ def attention(
     eps: float,
     query_chunks: int | None = None,
     impl: str = "blocked",
+    flash_block: int = FLASH_BLOCK,
 ) -> jax.Array:
     """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d].
 
     ``query_chunks``: the queries in that many blocks, each scored only against the keys it can
     see (causal, and the window), so the masked upper triangle is mostly never computed; None
     picks ``auto_query_chunks(s)``, 1 is the plain (reference) path. ``impl``: ``blocked`` (this
-    function's own path, the fastest on XLA:CPU), or ``xla`` / ``cudnn`` through
-    ``jax.nn.dot_product_attention`` (cudnn: the fused flash kernel on NVIDIA GPUs).
+    function's own path, the fastest on XLA:CPU at short sequences), ``flash`` (``flash_attention``:
+    blocks with an online softmax, no [s, s] buffer forward or backward, for long sequences on
+    CPU), or ``xla`` / ``cudnn`` through ``jax.nn.dot_product_attention`` (cudnn: the fused flash
+    kernel on NVIDIA GPUs).
     """
     b, s, _ = x.shape
     q = (x @ p["wq"]).reshape(b, s, n_heads, head_dim)
@@ -97,7 +238,10 @@ def attention(
     q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta)
     k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta)
     g = n_heads // n_kv
-    if impl != "blocked":  # [b, s, heads, hd] in, grouped kv heads, causal, the window as local_window_size
+    if impl not in (
+        "blocked",
+        "flash",
+    ):  # [b, s, heads, hd] in, grouped kv heads, causal, the window as local_window_size
         out = jax.nn.dot_product_attention(
             q, k, v, scale=head_dim**-0.5, is_causal=True, implementation=impl,
             local_window_size=(window - 1, 0) if window else None,
@@ -108,6 +252,10 @@ def attention(
     q = (q * head_dim**-0.5).reshape(b, s, n_kv, g, head_dim).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, hd]
     k = k.transpose(0, 2, 1, 3)  # [b, kv, s, hd]
     v = v.transpose(0, 2, 1, 3)
+    if impl == "flash":
+        out = flash_attention(q, k, v, window, flash_block)  # [b, kv, g, s, hd]
+        out = out.reshape(b, n_heads, s, head_dim).transpose(0, 2, 1, 3).reshape(b, s, n_heads * head_dim)
+        return out @ p["wo"]
     n_chunks = query_chunks if query_chunks is not None else auto_query_chunks(s)
     if s % n_chunks:
         raise ValueError(f"query_chunks={n_chunks} does not divide the sequence length {s}")

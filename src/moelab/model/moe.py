@@ -304,8 +304,9 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
     t, k = r.idx.shape
     n_experts = m.n_routed
     mesh = pmesh.active()
-    if mesh is not None:  # expert parallel: the transport decides; dropless = a slot for every assignment
-        ops = ep.ExpertOps(expert_ffn, place_capacity, place_spill, _ranks)
+    if mesh is not None:  # expert parallel: the transport decides; dropless = bounded rounds of every assignment
+        grouped = lambda x, i, g, w: dropless(x, i, g, w, m.moe_impl)  # noqa: E731
+        ops = ep.ExpertOps(expert_ffn, place_capacity, place_spill, _ranks, grouped)
         return ep.ep_routed_experts(h, r, w, m, mesh, ops, dropless=dispatch == "dropless")
     if dispatch == "dropless":
         y = dropless(h, r.idx, r.gates, w, m.moe_impl)

@@ -7,6 +7,12 @@ the batch's tokens, already routed. ``model.ep_transport`` chooses how they trav
 - ``fixed``: every (sender, expert) pair has ``C = ceil(CF * t * k / E)`` slots (t = the
   sender's tokens); a sender ranks its assignments per expert by token position and drops what
   overflows; one ``all_to_all`` out, the local experts compute on their buffer, one back.
+- dropless (``model.dispatch: dropless``, whatever the transport): every assignment travels, in
+  rounds of ``B = max(1, t*k // D)`` rows per (sender, destination), so that no buffer holds more
+  than ``max(t*k, D)`` rows; a round computes its rows with the model's grouped dropless kernel.
+  Balanced routing needs one or two rounds; all of a token's assignments landing on one device
+  needs ``ceil(t*min(k, E/D) / B)``. The rounds run in a ``while_loop`` whose hand-written
+  backward replays each round, so nothing per round is kept for the gradient.
 - ``spill``: as ``fixed``, but an overflowing assignment first moves to the token's next-ranked
   expert that still has room at the sender (the single-device spill rule, per sender).
 - ``pooled_wave``: per destination device one pool of ``ceil(CF * t * k / D)`` slots shared by
@@ -39,6 +45,7 @@ class ExpertOps(NamedTuple):
     place_capacity: Any  # (routing, capacity, drop_order) -> placement
     place_spill: Any
     ranks: Any  # (keys, priority, valid, n) -> each item's rank among those with its key
+    grouped: Any  # (rows [n, din], idx [n, 1], gates [n, 1], w) -> [n, din]: dropless on local experts
 
 
 AXIS = "expert"
@@ -147,12 +154,86 @@ def _pooled_wave(h, r, w, cf: float, n_dev: int, waves: int, ops: ExpertOps):
     return y, stats
 
 
+def round_rows(t: int, k: int, n_dev: int) -> int:
+    """B: rows per (sender, destination) in one dropless round; D * B <= max(t * k, D)."""
+    return max(1, (t * k) // n_dev)
+
+
+def _exchange_round(j, h, gates, w, dest, pos, lid, n_dev: int, rows: int, ops: ExpertOps):
+    """Round j of the dropless exchange on one device: the assignments ranked [j*B, (j+1)*B) within
+    their destination travel, compute on their local expert, come back; the gate-weighted sum."""
+    t, k = gates.shape
+    n = n_dev * rows
+    here = pos // rows == j
+    slot = jnp.where(here, dest * rows + pos % rows, n).reshape(-1)
+    token = jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)
+    src = jnp.full((n + 1,), t, jnp.int32).at[slot].set(token)[:n]
+    ids = jnp.full((n + 1,), -1, jnp.int32).at[slot].set(lid.reshape(-1))[:n]
+    recv = jax.lax.all_to_all(_gather_rows(h, src).reshape(n_dev, rows, -1), AXIS, 0, 0).reshape(n, -1)
+    recv_ids = jax.lax.all_to_all(ids.reshape(n_dev, rows), AXIS, 0, 0).reshape(n)
+    valid = recv_ids >= 0
+    out = ops.grouped(recv, jnp.maximum(recv_ids, 0)[:, None], valid[:, None].astype(recv.dtype), w)
+    back = _send_back(out.reshape(n_dev, rows, -1)).reshape(n, -1)
+    per = _gather_rows(back, slot).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", per, jnp.where(here, gates, 0.0).astype(per.dtype))
+
+
+def _dropless_rounds(h, r, w, n_dev: int, ops: ExpertOps):
+    """Dropless over the expert axis with bounded buffers (see the module docstring)."""
+    t, k = r.idx.shape
+    local = r.scores.shape[-1] // n_dev
+    rows = round_rows(t, k, n_dev)
+    dest = r.idx // local
+    flat = dest.reshape(-1)
+    pos = ops.ranks(flat, jnp.arange(t * k, dtype=jnp.int32), jnp.ones_like(flat, bool), n_dev).reshape(t, k)
+    most = jax.lax.pmax(jnp.max(jnp.bincount(flat, length=n_dev)), BATCH)  # the same on every device
+    n_rounds = (most + rows - 1) // rows
+    plan = (dest, pos, r.idx % local, n_rounds)
+
+    def one(j, h, gates, w, plan):
+        return _exchange_round(j, h, gates, w, *plan[:3], n_dev, rows, ops)
+
+    # every device has at least one round; round 0 runs outside the loops so the carries start with
+    # the types (and the shard_map's varying axes) of what the rounds add
+
+    @jax.custom_vjp
+    def exchange(h, gates, w, plan):
+        first = one(0, h, gates, w, plan)
+        return jax.lax.fori_loop(1, plan[3], lambda j, y: y + one(j, h, gates, w, plan), first)
+
+    def fwd(h, gates, w, plan):
+        return exchange(h, gates, w, plan), (h, gates, w, plan)
+
+    def bwd(res, dy):
+        h, gates, w, plan = res
+
+        def pull(j):
+            return jax.vjp(lambda h, g, w: one(j, h, g, w, plan), h, gates, w)[1](dy)
+
+        step = lambda j, acc: jax.tree.map(jnp.add, acc, pull(j))  # noqa: E731
+        dh, dg, dw = jax.lax.fori_loop(1, plan[3], step, pull(0))
+        return dh, dg, dw, jax.tree.map(lambda _: None, plan)
+
+    exchange.defvjp(fwd, bwd)
+    y = exchange(h, r.gates, w, plan)
+    n = jnp.float32(t * k)
+    zero = jnp.float32(0.0)
+    stats = {
+        "assignments": n,
+        "sender_dropped": zero,
+        "receiver_dropped": zero,
+        "spilled": zero,
+        "done": jnp.zeros((r.scores.shape[-1],), jnp.float32).at[r.idx.reshape(-1)].add(1.0),
+    }
+    return y, stats
+
+
 def ep_routed_experts(
     h: jax.Array, r, w: dict, m, mesh, ops: ExpertOps, dropless: bool = False
 ) -> tuple[jax.Array, dict]:
     """The routed experts' output [t, din] with tokens exchanged over the mesh's expert axis.
 
-    ``dropless``: slots for every assignment (C = the sender's tokens), whatever the transport.
+    ``dropless``: every assignment computed, in bounded rounds, whatever the transport.
     """
     n_dev = mesh.shape[AXIS]
     n_shards = mesh.shape["data"] * n_dev
@@ -160,11 +241,13 @@ def ep_routed_experts(
     if t % n_shards:
         raise ValueError(f"the batch's {t} tokens do not split over {n_shards} devices")
     t_local = t // n_shards
-    transport = "fixed" if dropless else m.ep_transport
-    cf = float(m.n_routed) if dropless else m.capacity_factor
+    transport = "dropless" if dropless else m.ep_transport
+    cf = m.capacity_factor
 
     def body(h, r, w):
-        if transport == "pooled_wave":
+        if transport == "dropless":
+            y, s = _dropless_rounds(h, r, w, n_dev, ops)
+        elif transport == "pooled_wave":
             y, s = _pooled_wave(h, r, w, cf, n_dev, m.ep_waves, ops)
         else:
             cap = slots_per_expert(cf, t_local, k, m.n_routed)
