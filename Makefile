@@ -9,7 +9,7 @@ HUGEPAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # the default run skips what is marked slow; -n is not used: 2 cores, JAX already uses both
 PYTEST := $(HUGEPAGES) $(PY) -m pytest -q
 
-.PHONY: demo test test-all lint format bench clean
+.PHONY: demo test test-all test-ragged lint format bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PYTEST) -m "not slow"
 
-# the slow tests include the Ray backend, so this also installs the ray extra
+# the slow tests include the Ray backend, so this also installs the ray extra; then the model and
+# training tests again with the MoE through ragged_dot (the GPU and TPU default)
 test-all: $(STAMP)
 	$(PY) -m pip install -q -c requirements.lock -e ".[dev,ray]"
 	$(PYTEST)
+	$(MAKE) test-ragged
+
+# the model, MoE and training tests with model.moe_impl=ragged (tests/conftest.py: MOE_IMPL)
+test-ragged: $(STAMP)
+	MOELAB_TEST_MOE_IMPL=ragged $(PYTEST) tests/test_model.py tests/test_moe.py tests/test_train.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks experiments

@@ -23,6 +23,7 @@ SCRIPTS = [
     ["first_minute.py"],
     ["memory_plan.py"],
     ["compile_depth.py"],
+    ["attention_memory.py"],
     ["memory_plan.py", "--data", "11", "--expert", "64", "--micro-batch", "1", "--out", "memory_plan_704.json"],
 ]
 

@@ -58,13 +58,18 @@ def corpus(tmp_path_factory) -> dict:
     return {"root": root, "code": str(code), "prose": str(prose)}
 
 
+# `make test-ragged` sets MOELAB_TEST_MOE_IMPL=ragged: the model and training tests then build their
+# models with that model.moe_impl (ragged_dot, the GPU and TPU default, run here on CPU)
+MOE_IMPL = os.environ.get("MOELAB_TEST_MOE_IMPL", "")
+MOE_SET = [f"model.moe_impl={MOE_IMPL}"] if MOE_IMPL else []
+
 # a model small enough that a subprocess run of 30 steps takes seconds
 MICRO = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.n_kv_heads_local=2",
     "model.seq_len=32", "model.sliding_window=16", "model.vocab_size=512", "model.expert_dim=32",
     "model.latent_dim=32", "model.shared_dim=32", "train.batch_size=4", "train.log_every=1",
     "train.eval_tokens=256", "train.checkpoint_every=10", "train.peak_flops=1e11",
-]  # fmt: skip
+] + MOE_SET  # fmt: skip
 
 
 # an experiment file whose steps count their runs in COUNTS and can be made to fail or hang

@@ -17,6 +17,7 @@ from moelab.config import load_config
 from moelab.model import forward, init_params, init_state, loss_fn
 from moelab.model.layers import attention, rms_norm, rope
 from moelab.model.transformer import logits_of
+from conftest import MOE_IMPL, MOE_SET
 from reference import attention_reference, forward_reference, jaxpr_eqns, rope_reference
 
 
@@ -133,6 +134,8 @@ def small_lm(**model):
         shared_dim=16,
         dispatch="dropless",
     )
+    if MOE_IMPL:
+        base["moe_impl"] = MOE_IMPL
     base.update(model)
     m = load_config({"model": base}).model
     return m, init_params(m, jax.random.PRNGKey(0)), init_state(m)
@@ -241,8 +244,19 @@ def test_bf16_compute_is_close_to_fp32():
         assert rel(y16, y32) < 3e-2, i
 
 
+def test_the_suite_runs_the_moe_path_it_is_asked_for():
+    """Under `make test-ragged` (MOELAB_TEST_MOE_IMPL=ragged) the models these tests build run
+    ragged_dot; by default (CPU) they do not."""
+    m, p, st = small_lm()
+    tokens = jnp.zeros((2, m.seq_len), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda p: loss_fn(p, st, tokens, tokens, m)[0])(p))
+    assert ("ragged_dot" in jaxpr) == (MOE_IMPL == "ragged")
+    cfg = load_config("tiny", MOE_SET)
+    assert cfg.model.moe_impl == (MOE_IMPL or "auto")
+
+
 def test_tiny_overfits_one_batch():
-    cfg = load_config("tiny")
+    cfg = load_config("tiny", MOE_SET)
     m = cfg.model
     params, state = init_params(m, jax.random.PRNGKey(0)), init_state(m)
     batch = jax.random.randint(jax.random.PRNGKey(6), (8, m.seq_len + 1), 0, m.vocab_size)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MICRO, ROOT
+from conftest import MICRO, MOE_SET, ROOT
 from moelab.cli import main
 from moelab.config import load_config
 from moelab.train import checkpoint, optim
@@ -358,7 +358,8 @@ def test_refuses_to_overwrite_and_to_resume_with_another_config(corpus, tmp_path
 def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
     cfg = load_config(
         "tiny",
-        [
+        MOE_SET
+        + [
             "train.steps=120",
             "train.batch_size=8",
             "train.eval_every=120",
