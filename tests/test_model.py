@@ -13,11 +13,11 @@ import optax
 import pytest
 from scipy.special import logsumexp
 
+from conftest import MOE_IMPL, MOE_SET
 from moelab.config import load_config
 from moelab.model import forward, init_params, init_state, loss_fn
 from moelab.model.layers import attention, rms_norm, rope
 from moelab.model.transformer import logits_of
-from conftest import MOE_IMPL, MOE_SET
 from reference import attention_reference, forward_reference, jaxpr_eqns, rope_reference
 
 
@@ -92,9 +92,11 @@ def test_flash_attention_in_many_blocks_equals_the_reference_and_its_gradients(w
     np.testing.assert_allclose(out, attention_reference(p, x, n_kv=kv, **kw), atol=2e-5, rtol=1e-4)
 
     def grads(impl):
-        f = lambda p, x: jnp.sum(
-            jnp.sin(attention(p, x, n_kv_alloc=kv, n_kv=kv, eps=1e-6, impl=impl, flash_block=block, **kw))
-        )  # noqa: E731,E501
+        def f(p, x):
+            return jnp.sum(
+                jnp.sin(attention(p, x, n_kv_alloc=kv, n_kv=kv, eps=1e-6, impl=impl, flash_block=block, **kw))
+            )
+
         return jax.grad(f, argnums=(0, 1))(p, x)
 
     for a, b in zip(jax.tree.leaves(grads("flash")), jax.tree.leaves(grads("xla")), strict=True):

@@ -210,6 +210,28 @@ def test_training_through_ragged_dot_equals_the_default(corpus, tmp_path):
     np.testing.assert_allclose(losses("ragged"), losses("auto"), rtol=0, atol=1e-4)
 
 
+def test_a_non_finite_step_changes_nothing():
+    """A step whose loss is not finite (poisoned here) returns the state it was given, every leaf
+    equal: parameters, optimiser state (its step count too) and router biases; a finite one moves them."""
+    from moelab.train.step import init_train_state, make_train_step
+
+    cfg = load_config("tiny", MICRO + ["train.lr=0.01"])
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    step = make_train_step(cfg, opt, h)
+    batch = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 512))
+    state, _ = step(state, batch, np.int32(0), np.bool_(False))  # nonzero moments and biases
+    before = jax.tree.map(np.array, state)
+    after, metrics = step(state, batch, np.int32(1), np.bool_(True))
+    assert not bool(metrics["finite"])
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    moved, metrics = step(after, batch, np.int32(1), np.bool_(False))
+    assert bool(metrics["finite"])
+    assert not np.array_equal(np.asarray(moved["params"]["head"]), before["params"]["head"])
+
+
 def test_nan_step_is_skipped(corpus, tmp_path):
     cfg = _micro(corpus, "train.steps=12", "train.poison_steps=[5]", "train.eval_every=12")
     summary = train(cfg, tmp_path / "run", progress=False)

@@ -53,11 +53,13 @@ def dropless_ragged(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> 
 
 
 def block_size(n_assignments: int, n_experts: int) -> int:
-    """Rows per block: about a quarter of an expert's fair share, a multiple of 8.
+    """Rows per block: about half of an expert's fair share, a multiple of 8.
 
-    Padding each expert to whole blocks then adds at most a quarter to the work.
+    Padding each expert to whole blocks adds at most half to the work (a quarter on average), and
+    XLA:CPU runs matmuls of 256 rows about 1.7x as fast as 128. Measured side by side against a
+    quarter share (with the state update as a branch): train step 1.05x at shape A, 1.12x at B.
     """
-    return max(8, -(-n_assignments // (4 * n_experts) // 8) * 8)
+    return max(8, -(-n_assignments // (2 * n_experts) // 8) * 8)
 
 
 class BlockPlan(NamedTuple):
