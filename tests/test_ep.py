@@ -177,7 +177,11 @@ def exchanged_rows(fn, *args) -> list[int]:
 
 @pytest.mark.parametrize(
     "case,shape",
-    [(dict(latent_dim=0, n_shared=0), (1, 8)), (LATENT, (2, 4)), (dict(n_routed=8, top_k=3, n_shared=0), (1, 8))],
+    [
+        (dict(latent_dim=0, n_shared=0), (1, 8)),
+        pytest.param(LATENT, (2, 4), marks=pytest.mark.slow),
+        pytest.param(dict(n_routed=8, top_k=3, n_shared=0), (1, 8), marks=pytest.mark.slow),
+    ],
     ids=["plain-1x8", "latent-shared-2x4", "top3-of-8-1x8"],
 )
 def test_dropless_equals_one_device_with_buffers_of_at_most_t_times_k_rows(case, shape):

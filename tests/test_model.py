@@ -77,7 +77,14 @@ def test_attention_paths_have_the_same_gradients(window, kv):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,kv,s,block", [(0, 2, 7, 2), (3, 1, 11, 4), (6, 2, 24, 8)])
+@pytest.mark.parametrize(
+    "window,kv,s,block",
+    [
+        pytest.param(0, 2, 7, 2, marks=pytest.mark.slow),
+        (3, 1, 11, 4),
+        pytest.param(6, 2, 24, 8, marks=pytest.mark.slow),
+    ],
+)
 def test_flash_attention_in_many_blocks_equals_the_reference_and_its_gradients(window, kv, s, block):
     """The flash path with blocks much smaller than the sequence (several key blocks per query
     block, a window that starts inside a block, a padded last block): the loop reference forward,
