@@ -220,6 +220,7 @@ def test_replan_forecasts_the_new_schedule(tmp_path):
 # ------------------------------------------------------------------------------ the commands
 
 
+@pytest.mark.slow  # ~15 s of CLI runs; the laws' fits are tested in-process by default
 def test_forecast_and_backtest_commands_by_law(tmp_path):
     truth = L.LawFit("lr-annealing", (1.3, 1.2, 2.0, 0.8), {"alpha": 0.3, "beta": 0.3, "log_t": -3.0}, 3e4, 3e5)
     dirs = [
@@ -321,6 +322,7 @@ def test_the_forecast_at_a_fraction_uses_only_that_fractions_points(tmp_path):
     assert changed == [0.5]
 
 
+@pytest.mark.slow  # ~28 s of CLI runs; test_forecast_and_backtest_commands runs the backtest by default
 def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
     dirs = [synthetic_rung(tmp_path, d)[0] for d in (64, 96, 128, 160)]
     res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")

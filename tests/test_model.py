@@ -129,6 +129,10 @@ def test_flash_attention_keeps_no_sequence_by_sequence_buffer():
     assert largest("blocked") >= s * s // 8
 
 
+# the model jitted: run op by op, a small model's forward takes seconds of dispatch
+jforward = jax.jit(forward, static_argnums=(3, 4, 5))
+
+
 def small_lm(**model):
     base = dict(
         d_model=32,
@@ -156,7 +160,7 @@ def test_causal_and_windowed():
     assert [m.is_global(i) for i in range(2)] == [False, True]  # the last layer is always global
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 16), 0, 64)
     changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 64)
-    h1, h2 = forward(p, st, tokens, m)[0], forward(p, st, changed, m)[0]
+    h1, h2 = jforward(p, st, tokens, m)[0], jforward(p, st, changed, m)[0]
     np.testing.assert_array_equal(h1[0, :10], h2[0, :10])
     assert not np.allclose(h1[0, 10:], h2[0, 10:])
 
@@ -174,7 +178,7 @@ def test_loss_terms_match_their_formulas():
     m, p, st = small_lm(logit_z_loss=0.5, aux_loss_coef=0.0, router_z_loss_coef=0.0)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 17), 0, 64)
     loss, (metrics, _) = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m)
-    hidden = forward(p, st, tokens[:, :-1], m)[0]
+    hidden = jforward(p, st, tokens[:, :-1], m)[0]
     logits = np.asarray(logits_of(p, hidden), np.float64)
     lse = logsumexp(logits, axis=-1)
     target = np.take_along_axis(logits, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
@@ -187,7 +191,7 @@ def test_loss_terms_match_their_formulas():
     loss2, _ = loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m2)
     # the router terms by hand from each layer's router logits (the MoE inputs captured): the Switch
     # loss E * sum_e f_e P_e over top-k assignments, and the mean squared log-partition
-    moe_in = np.asarray(forward(p, st, tokens[:, :-1], m, capture=True)[1]["moe_input"], np.float64)
+    moe_in = np.asarray(jforward(p, st, tokens[:, :-1], m, capture=True)[1]["moe_input"], np.float64)
     aux, rz = [], []
     for i in range(m.n_layers):
         logits = moe_in[i].reshape(-1, m.d_model) @ np.asarray(p["layers"]["router"][i], np.float64)
@@ -241,7 +245,7 @@ def test_bf16_compute_is_close_to_fp32():
 
     # the hidden states, and each MoE block's own output, not only the loss: a block that returned
     # zeros in bf16 would move these by 100%
-    h32, h16 = forward(p, st, tokens[:, :-1], m)[0], forward(p, st, tokens[:, :-1], m16)[0]
+    h32, h16 = jforward(p, st, tokens[:, :-1], m)[0], jforward(p, st, tokens[:, :-1], m16)[0]
     assert rel(h16, h32) < 8e-2  # bf16 keeps about 3 digits; over two layers about 4% here
     x = jax.random.normal(jax.random.PRNGKey(6), (2, 16, m.d_model))
     for i in range(m.n_layers):
@@ -304,10 +308,10 @@ def test_forward_equals_layer_by_layer_reference():
     assert [m.is_global(i) for i in range(3)] == [False, True, True]
     st = {"router_bias": jax.random.normal(jax.random.PRNGKey(9), (3, 4)) * 2.0}
     tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 12), 0, 64)
-    hidden = forward(p, st, tokens, m, "dropless")[0]
+    hidden = jforward(p, st, tokens, m, "dropless")[0]
     np.testing.assert_allclose(hidden, forward_reference(p, st, tokens, m), atol=2e-4, rtol=2e-4)
     # and the bias matters: without it the routing, and so the output, differs
-    assert not np.allclose(hidden, forward(p, init_state(m), tokens, m, "dropless")[0], atol=1e-3)
+    assert not np.allclose(hidden, jforward(p, init_state(m), tokens, m, "dropless")[0], atol=1e-3)
 
 
 def test_masked_loss_counts_only_masked_positions():
@@ -315,7 +319,7 @@ def test_masked_loss_counts_only_masked_positions():
     tokens = jax.random.randint(jax.random.PRNGKey(10), (2, 17), 0, 64)
     mask = jnp.zeros((2, 16)).at[0, :5].set(1.0).at[1, 9:].set(1.0)
     loss = float(loss_fn(p, st, tokens[:, :-1], tokens[:, 1:], m, mask=mask)[0])
-    logits = np.asarray(logits_of(p, forward(p, st, tokens[:, :-1], m)[0]), np.float64)
+    logits = np.asarray(logits_of(p, jforward(p, st, tokens[:, :-1], m)[0]), np.float64)
     nll = logsumexp(logits, -1) - np.take_along_axis(logits, np.asarray(tokens[:, 1:])[..., None], -1)[..., 0]
     assert loss == pytest.approx(float(np.sum(nll * np.asarray(mask)) / 12), rel=1e-5)
     # what the mask hides does not move the loss
@@ -349,6 +353,7 @@ def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
             np.testing.assert_allclose(a, r, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # ~21 s; test_moe.py checks the impls against each other by default, make test-ragged the model
 def test_every_moe_impl_gives_the_same_model():
     """model.moe_impl: the language model's loss and gradients through ragged_dot (the default on
     GPU and TPU), the batched blocks and the loop agree in fp32; in bf16 ragged_dot runs in the

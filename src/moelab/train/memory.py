@@ -106,11 +106,12 @@ def residual_bytes(f, *args) -> int:
 
 def _traced_model(cfg: Config, expert: int):
     """The model config the activations are traced with: one device's dispatch with as many expert
-    rows as the expert-parallel transport computes on (dropless there gives every sender C = its tokens)."""
+    rows as the expert-parallel transport computes on. Dropless under EP exchanges in rounds and
+    keeps only its input for the backward; one device's dropless, which keeps its t*k rows, is
+    traced in its place (an upper bound)."""
     m = cfg.model
-    if expert > 1:
-        cf = float(m.n_routed) if m.dispatch == "dropless" else m.capacity_factor
-        m = dataclasses.replace(m, dispatch="capacity", capacity_factor=cf, capacity_group=0)
+    if expert > 1 and m.dispatch != "dropless":
+        m = dataclasses.replace(m, dispatch="capacity", capacity_group=0)
     return m
 
 
@@ -219,7 +220,7 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
     """The rows that grow with the micro-batch ``b`` (sequences per device)."""
     import jax.numpy as jnp
 
-    from moelab.parallel.ep import slots_per_expert
+    from moelab.parallel.ep import round_rows, slots_per_expert
 
     m = cfg.model
     dt = jnp.dtype(m.compute_dtype).itemsize
@@ -239,8 +240,10 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
         activations = sum(per_layer)
     a2a = 0
     if sizes["expert"] > 1:
-        cf = float(m.n_routed) if m.dispatch == "dropless" else m.capacity_factor
-        rows = m.n_routed * slots_per_expert(cf, tokens, m.top_k, m.n_routed)
+        if m.dispatch == "dropless":  # one round's buffers: D * B <= t*k rows
+            rows = sizes["expert"] * round_rows(tokens, m.top_k, sizes["expert"])
+        else:
+            rows = m.n_routed * slots_per_expert(m.capacity_factor, tokens, m.top_k, m.n_routed)
         a2a = 4 * rows * m.expert_in_dim * dt  # dispatch send + receive, return send + receive
     chunk = m.ce_chunk if 0 < m.ce_chunk < tokens else tokens
     logits = _head_residuals(cfg, b) + (2 if chunk < tokens else 1) * chunk * m.vocab_size * 4
