@@ -111,6 +111,11 @@ def _rows(a: jax.Array, i, block: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=3).reshape(b, n_kv, g * block, hd)
 
 
+def _key_rows(a: jax.Array, j, block: int) -> jax.Array:
+    """Key block j of a [b, kv, s, hd] array."""
+    return jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2)
+
+
 def _flash_scores(qi, kj, i, j, block: int, g: int, window: int):
     """One block's scores (fp32) and its mask, [b, kv, g*block, block]."""
     qpos = jnp.tile(i * block + jnp.arange(block), g)
@@ -121,7 +126,7 @@ def _flash_scores(qi, kj, i, j, block: int, g: int, window: int):
 def _flash_forward(q, k, v, window: int, block: int):
     b, n_kv, g, s, hd = q.shape
     n = s // block
-    kb = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2)  # noqa: E731
+    kb = partial(_key_rows, block=block)
 
     def query_block(i):
         qi = _rows(q, i, block)
@@ -169,7 +174,7 @@ def _flash_bwd(window, block, res, d_out):
     b, n_kv, g, s, hd = q.shape
     n = s // block
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, kv, g, s]
-    kb = lambda a, j: jax.lax.dynamic_slice_in_dim(a, j * block, block, axis=2)  # noqa: E731
+    kb = partial(_key_rows, block=block)
 
     def query_block(i, carry):
         dq, dk, dv = carry
@@ -253,10 +258,16 @@ def attention(
     k = k.transpose(0, 2, 1, 3)  # [b, kv, s, hd]
     v = v.transpose(0, 2, 1, 3)
     if impl == "flash":
-        out = flash_attention(q, k, v, window, flash_block)  # [b, kv, g, s, hd]
-        out = out.reshape(b, n_heads, s, head_dim).transpose(0, 2, 1, 3).reshape(b, s, n_heads * head_dim)
-        return out @ p["wo"]
-    n_chunks = query_chunks if query_chunks is not None else auto_query_chunks(s)
+        out = flash_attention(q, k, v, window, flash_block)
+    else:
+        out = _query_chunks(q, k, v, window, query_chunks if query_chunks is not None else auto_query_chunks(s))
+    out = out.reshape(b, n_heads, s, head_dim).transpose(0, 2, 1, 3).reshape(b, s, n_heads * head_dim)
+    return out @ p["wo"]
+
+
+def _query_chunks(q: jax.Array, k: jax.Array, v: jax.Array, window: int, n_chunks: int) -> jax.Array:
+    """The blocked path's core: q [b, kv, g, s, hd] (scaled), k and v [b, kv, s, hd] -> [b, kv, g, s, hd]."""
+    b, n_kv, g, s, head_dim = q.shape
     if s % n_chunks:
         raise ValueError(f"query_chunks={n_chunks} does not divide the sequence length {s}")
     c = s // n_chunks
@@ -270,9 +281,7 @@ def attention(
         scores = scores + jnp.where(jnp.tile(mask[i * c : hi, lo:hi], (g, 1)), 0.0, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         outs.append(jnp.einsum("bkqp,bkph->bkqh", probs, v[:, :, lo:hi]).reshape(b, n_kv, g, c, head_dim))
-    out = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)  # [b, kv, g, s, hd]
-    out = out.reshape(b, n_heads, s, head_dim).transpose(0, 2, 1, 3).reshape(b, s, n_heads * head_dim)
-    return out @ p["wo"]
+    return outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
