@@ -329,7 +329,8 @@ def test_masked_loss_counts_only_masked_positions():
 
 @pytest.mark.parametrize("window,n_kv", [(0, 4), (40, 2)])
 def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
-    """Causal query blocks (keys beyond a block's reach never scored) against one block: values and grads."""
+    """Causal query blocks (keys beyond a block's reach never scored) and one block, with the blocked
+    path's hand-written backward, against jax.nn.dot_product_attention's autodiff: values and grads."""
     b, s, d, heads, hd = 2, 96, 32, 4, 8
     keys = jax.random.split(jax.random.PRNGKey(5), 5)
     p = {
@@ -342,13 +343,13 @@ def test_query_chunked_attention_equals_the_plain_path(window, n_kv):
     kw = dict(n_heads=heads, n_kv_alloc=n_kv, n_kv=n_kv, head_dim=hd, window=window, rope_fraction=1.0,
               rope_theta=1e4, eps=1e-6)  # fmt: skip
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def run(p, x, chunks):
-        f = lambda p, x: jnp.sum(jnp.sin(attention(p, x, query_chunks=chunks, **kw)))  # noqa: E731
-        return attention(p, x, query_chunks=chunks, **kw), jax.grad(f, argnums=(0, 1))(p, x)
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def run(p, x, chunks, impl="blocked"):
+        f = lambda p, x: jnp.sum(jnp.sin(attention(p, x, query_chunks=chunks, impl=impl, **kw)))  # noqa: E731
+        return attention(p, x, query_chunks=chunks, impl=impl, **kw), jax.grad(f, argnums=(0, 1))(p, x)
 
-    ref = run(p, x, 1)
-    for chunks in (3, 4):
+    ref = run(p, x, 1, "xla")  # autodiff through jax.nn.dot_product_attention: independent of the blocked backward
+    for chunks in (1, 3, 4):
         for a, r in zip(jax.tree.leaves(run(p, x, chunks)), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(a, r, atol=2e-5, rtol=1e-5)
 
@@ -419,3 +420,23 @@ def test_layers_as_a_scan_equal_unrolled_layers(layers):
     assert (scans > scans_ref) == (layers == 5)  # the layers' own scan (and its transpose), where there are 2 periods
     for a, b in zip(jax.tree.leaves((got, grads)), jax.tree.leaves((ref, ref_grads)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unstacked_layers_have_the_gradients_of_their_slices():
+    """transformer.unstack writes its gradient as one stack of the layers' gradients; autodiff of
+    plain slicing is the expectation, each layer weighted differently and one layer unused."""
+    from moelab.model.transformer import unstack
+
+    rng = np.random.default_rng(3)
+    stacked = {"a": jnp.asarray(rng.normal(size=(4, 3, 5)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4, 2)))}
+
+    def f(layers):
+        return sum(
+            (i + 1.0) * jnp.sum(jnp.sin(p["a"])) + i * jnp.sum(p["b"] ** 3) for i, p in enumerate(layers) if i != 2
+        )
+
+    got = jax.grad(lambda s: f(unstack(s)))(stacked)
+    want = jax.grad(lambda s: f([jax.tree.map(lambda a, i=i: a[i], s) for i in range(4)]))(stacked)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert not np.any(np.asarray(got["a"][2]))

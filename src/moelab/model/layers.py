@@ -224,6 +224,7 @@ def attention(
     query_chunks: int | None = None,
     impl: str = "blocked",
     flash_block: int = FLASH_BLOCK,
+    fused_qkv: bool = True,
 ) -> jax.Array:
     """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d].
 
@@ -233,12 +234,17 @@ def attention(
     function's own path, the fastest on XLA:CPU at short sequences), ``flash`` (``flash_attention``:
     blocks with an online softmax, no [s, s] buffer forward or backward, for long sequences on
     CPU), or ``xla`` / ``cudnn`` through ``jax.nn.dot_product_attention`` (cudnn: the fused flash
-    kernel on NVIDIA GPUs).
+    kernel on NVIDIA GPUs). ``fused_qkv``: q, k and v from one matmul on the concatenated weights
+    (the same numbers; off under a mesh, where the three weights are sharded on their own).
     """
     b, s, _ = x.shape
-    q = (x @ p["wq"]).reshape(b, s, n_heads, head_dim)
-    k = (x @ group_kv(p["wk"], n_kv_alloc, n_kv)).reshape(b, s, n_kv, head_dim)
-    v = (x @ group_kv(p["wv"], n_kv_alloc, n_kv)).reshape(b, s, n_kv, head_dim)
+    wq, wk, wv = p["wq"], group_kv(p["wk"], n_kv_alloc, n_kv), group_kv(p["wv"], n_kv_alloc, n_kv)
+    if fused_qkv:  # one matmul: the backward transposes x once for the three weight gradients, not three times
+        qkv = x @ jnp.concatenate([wq, wk, wv], axis=1)
+        q, k, v = jnp.split(qkv, [wq.shape[1], wq.shape[1] + wk.shape[1]], axis=-1)
+    else:
+        q, k, v = x @ wq, x @ wk, x @ wv
+    q, k, v = q.reshape(b, s, n_heads, head_dim), k.reshape(b, s, n_kv, head_dim), v.reshape(b, s, n_kv, head_dim)
     pos = jnp.arange(s)
     q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta)
     k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta)
@@ -265,23 +271,72 @@ def attention(
     return out @ p["wo"]
 
 
-def _query_chunks(q: jax.Array, k: jax.Array, v: jax.Array, window: int, n_chunks: int) -> jax.Array:
-    """The blocked path's core: q [b, kv, g, s, hd] (scaled), k and v [b, kv, s, hd] -> [b, kv, g, s, hd]."""
-    b, n_kv, g, s, head_dim = q.shape
+def _chunk_spans(s: int, window: int, n_chunks: int) -> list[tuple[int, int, int, int]]:
+    """Query chunk i covers rows [q0, q1) and sees keys [lo, hi): causal, and the window."""
     if s % n_chunks:
         raise ValueError(f"query_chunks={n_chunks} does not divide the sequence length {s}")
     c = s // n_chunks
-    mask = attention_mask(s, window)
-    outs = []
-    for i in range(n_chunks):  # chunk i's queries see keys [lo, hi) only: causal blocks never computed
-        hi = (i + 1) * c
-        lo = max(0, i * c - window + 1) if window else 0
-        qi = q[:, :, :, i * c : hi].reshape(b, n_kv, g * c, head_dim)  # a group's heads stacked along queries
+    return [(i * c, (i + 1) * c, max(0, i * c - window + 1) if window else 0, (i + 1) * c) for i in range(n_chunks)]
+
+
+def _chunk_bias(s: int, window: int, span: tuple[int, int, int, int], g: int) -> jax.Array:
+    q0, q1, lo, hi = span
+    return jnp.where(jnp.tile(attention_mask(s, window)[q0:q1, lo:hi], (g, 1)), 0.0, -1e30)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _query_chunks(q: jax.Array, k: jax.Array, v: jax.Array, window: int, n_chunks: int) -> jax.Array:
+    """The blocked path's core: q [b, kv, g, s, hd] (scaled), k and v [b, kv, s, hd] -> [b, kv, g, s, hd].
+
+    Each chunk's softmax is left unnormalised until after the product with v (a divide over
+    [rows, hd], not [rows, keys]); the backward is written out (``_query_chunks_bwd``), with the
+    row term of the softmax gradient taken from d_out and out ([rows, hd]) rather than from the
+    [rows, keys] probabilities: fewer passes over the score blocks than autodiff makes.
+    """
+    return _query_chunks_fwd(q, k, v, window, n_chunks)[0]
+
+
+def _query_chunks_fwd(q, k, v, window: int, n_chunks: int):
+    b, n_kv, g, s, head_dim = q.shape
+    outs, saved = [], []
+    for span in _chunk_spans(s, window, n_chunks):
+        q0, q1, lo, hi = span
+        qi = q[:, :, :, q0:q1].reshape(b, n_kv, g * (q1 - q0), head_dim)  # a group's heads stacked along rows
         scores = jnp.einsum("bkqh,bkph->bkqp", qi, k[:, :, lo:hi], preferred_element_type=jnp.float32)
-        scores = scores + jnp.where(jnp.tile(mask[i * c : hi, lo:hi], (g, 1)), 0.0, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkqp,bkph->bkqh", probs, v[:, :, lo:hi]).reshape(b, n_kv, g, c, head_dim))
-    return outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
+        scores = scores + _chunk_bias(s, window, span, g)
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        inv = 1.0 / jnp.sum(e, axis=-1, keepdims=True)
+        o = jnp.einsum("bkqp,bkph->bkqh", e.astype(v.dtype), v[:, :, lo:hi], preferred_element_type=jnp.float32)
+        outs.append((o * inv).astype(q.dtype).reshape(b, n_kv, g, q1 - q0, head_dim))
+        saved.append((e, inv))
+    out = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
+    return out, (q, k, v, out, saved)
+
+
+def _query_chunks_bwd(window: int, n_chunks: int, res, d_out):
+    q, k, v, out, saved = res
+    b, n_kv, g, s, head_dim = q.shape
+    dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for span, (e, inv) in zip(_chunk_spans(s, window, n_chunks), saved, strict=True):
+        q0, q1, lo, hi = span
+        rows = g * (q1 - q0)
+        qi = q[:, :, :, q0:q1].reshape(b, n_kv, rows, head_dim)
+        do = d_out[:, :, :, q0:q1].reshape(b, n_kv, rows, head_dim).astype(jnp.float32)
+        oi = out[:, :, :, q0:q1].reshape(b, n_kv, rows, head_dim).astype(jnp.float32)
+        # probs = e * inv; d_scores = probs * (d_probs - rowsum(do * o)), with d_probs = do v^T
+        do_inv = do * inv
+        row = jnp.sum(do * oi, axis=-1, keepdims=True) * inv
+        dv = dv.at[:, :, lo:hi].add(jnp.einsum("bkqp,bkqh->bkph", e, do_inv))
+        dp = jnp.einsum("bkqh,bkph->bkqp", do_inv, v[:, :, lo:hi].astype(jnp.float32))
+        ds = (e * (dp - row)).astype(q.dtype)
+        dqs.append(jnp.einsum("bkqp,bkph->bkqh", ds, k[:, :, lo:hi], preferred_element_type=jnp.float32))
+        dk = dk.at[:, :, lo:hi].add(jnp.einsum("bkqp,bkqh->bkph", ds, qi, preferred_element_type=jnp.float32))
+    dq = [d.reshape(b, n_kv, g, -1, head_dim) for d in dqs]
+    dq = dq[0] if n_chunks == 1 else jnp.concatenate(dq, axis=3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_query_chunks.defvjp(_query_chunks_fwd, _query_chunks_bwd)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
