@@ -23,10 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PYTEST) -m "not slow"
 
-# the slow tests include the Ray backend, so this also installs the ray extra; then the model and
-# training tests again with the MoE through ragged_dot (the GPU and TPU default)
+# the slow tests include the Ray backend and the export to transformers, so this also installs the
+# ray and bench extras; then the model and training tests again with the MoE through ragged_dot
+# (the GPU and TPU default)
 test-all: $(STAMP)
-	$(PY) -m pip install -q -c requirements.lock -e ".[dev,ray]"
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev,ray,bench]"
 	$(PYTEST)
 	$(MAKE) test-ragged
 

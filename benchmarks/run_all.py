@@ -24,6 +24,7 @@ SCRIPTS = [
     ["memory_plan.py"],
     ["compile_depth.py"],
     ["attention_memory.py"],
+    ["sample_speed.py"],
     ["memory_plan.py", "--data", "11", "--expert", "64", "--micro-batch", "1", "--out", "memory_plan_704.json"],
 ]
 

@@ -1,7 +1,7 @@
 """`moelab ...`: the command line. Every command that takes a config takes ``--set`` overrides.
 
 A config or input the user can fix is refused with one line per problem and exit code 2. One small
-module per area registers its subcommands: config, train, lab, ladder, plan, bench; printing shared by
+module per area registers its subcommands: config, train, lab, ladder, plan, bench, use (sample, export); printing shared by
 them lives in cli/common.py.
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moelab.cli import bench, config, lab, ladder, plan, train
+from moelab.cli import bench, config, lab, ladder, plan, train, use
 from moelab.errors import ConfigError, RunError, UsageError
 
 
@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moelab", description="An open laboratory for MoE training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for area in (config, train, lab, ladder, plan, bench):
+    for area in (config, train, lab, ladder, plan, bench, use):
         area.register(sub)
     return parser
 

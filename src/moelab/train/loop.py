@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -224,6 +225,9 @@ class _Job:
         self.run.path.mkdir(parents=True, exist_ok=True)
         if not self.run.config.exists():
             self.run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
+        tokenizer = self.run.path / "tokenizer.json"  # the run's own, for `moelab sample` and `moelab export`
+        if not tokenizer.exists() and (self.store.path / "tokenizer.json").exists():
+            shutil.copyfile(self.store.path / "tokenizer.json", tokenizer)
 
     def build_or_restore(self, resume: bool) -> None:
         """A fresh state, or the newest complete checkpoint's (with the data position, the NaN guard's

@@ -1,0 +1,194 @@
+"""`moelab export hf` and `moelab export safetensors`: a run's checkpoint for other tools.
+
+``export_hf`` writes a directory that Hugging Face transformers loads with
+``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``: ``config.json``,
+``generation_config.json``, ``model.safetensors`` (fp32, PyTorch names and [out, in] linear
+weights), ``tokenizer.json`` and ``tokenizer_config.json`` (a ``PreTrainedTokenizerFast``), and the
+architecture's two files (``configuration_moelab.py``, ``modeling_moelab.py``, copied from
+moelab/export/remote_code/). A global layer's k and v weights are written as that layer uses them (its kv
+heads averaged from the allocated ones, ``layers.group_kv``), so the PyTorch side needs no rule.
+
+``export_safetensors`` writes the weights alone under moelab's own names (``SAFETENSORS_NAMES``).
+
+Both write to a temporary sibling and rename it into place when complete: an interrupted export
+leaves no output that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from moelab.errors import UsageError
+from moelab.export import Trained, load_trained
+
+HERE = Path(__file__).parent / "remote_code"
+EOT = "<|endoftext|>"
+
+SAFETENSORS_NAMES = {
+    "embed": "[vocab, d] token embeddings",
+    "head": "[d, vocab] the output projection (logits = final_norm(x) @ head)",
+    "final_norm": "[d] the final RMSNorm's weight",
+    "router_bias": "[layers, experts] each layer's router bias (picks experts; not a gate)",
+    "layers.NAME": "every per-layer weight stacked on a leading [layers] axis, as x @ w: attn_norm, wq "
+    "[d, heads*hd], wk and wv [d, kv_alloc*hd], wo, mlp_norm, router [d, experts], w_gate and w_up "
+    "[experts, din, f], w_down [experts, f, din], latent_down/latent_norm/latent_up (latent models), "
+    "shared_gate/shared_up/shared_down (shared experts)",
+}
+
+
+def check_out(out: Path, is_dir: bool) -> None:
+    if out.exists() and (not is_dir or not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out}: already exists; choose a new {'directory' if is_dir else 'file'} or remove it")
+    if not out.parent.exists():
+        raise UsageError(f"--out {out}: its parent directory {out.parent} does not exist")
+
+
+def _np(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32))
+
+
+def hf_tensors(t: Trained) -> dict[str, np.ndarray]:
+    """PyTorch names (modeling_moelab.py's modules), linear weights as [out, in]."""
+    from moelab.model.layers import group_kv
+
+    m, p = t.cfg.model, t.params
+    L = p["layers"]
+    out = {
+        "model.embed_tokens.weight": _np(p["embed"]),
+        "model.norm": _np(p["final_norm"]),
+        "lm_head.weight": _np(p["head"]).T,
+    }
+    for i in range(m.n_layers):
+        pre = f"model.layers.{i}."
+        kv = m.layer_kv_heads(i)
+        out[pre + "attn_norm"] = _np(L["attn_norm"][i])
+        out[pre + "mlp_norm"] = _np(L["mlp_norm"][i])
+        out[pre + "self_attn.q_proj.weight"] = _np(L["wq"][i]).T
+        out[pre + "self_attn.k_proj.weight"] = _np(group_kv(L["wk"][i], m.kv_heads_alloc, kv)).T
+        out[pre + "self_attn.v_proj.weight"] = _np(group_kv(L["wv"][i], m.kv_heads_alloc, kv)).T
+        out[pre + "self_attn.o_proj.weight"] = _np(L["wo"][i]).T
+        out[pre + "mlp.router.weight"] = _np(L["router"][i]).T
+        out[pre + "mlp.router_bias"] = _np(t.model_state["router_bias"][i])
+        for name in ("w_gate", "w_up", "w_down"):
+            out[pre + f"mlp.experts.{name}"] = _np(L[name][i])
+        if m.latent_dim:
+            out[pre + "mlp.latent_down.weight"] = _np(L["latent_down"][i]).T
+            out[pre + "mlp.latent_norm"] = _np(L["latent_norm"][i])
+            out[pre + "mlp.latent_up.weight"] = _np(L["latent_up"][i]).T
+        if m.n_shared:
+            for name in ("shared_gate", "shared_up", "shared_down"):
+                out[pre + f"mlp.{name}.weight"] = _np(L[name][i]).T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config(t: Trained, eot: int | None) -> dict:
+    m = t.cfg.model
+    windows = [0 if m.is_global(i) or not m.sliding_window else m.sliding_window for i in range(m.n_layers)]
+    return {
+        "architectures": ["MoelabForCausalLM"],
+        "model_type": "moelab",
+        "auto_map": {
+            "AutoConfig": "configuration_moelab.MoelabConfig",
+            "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM",
+        },
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "head_dim": m.head_size,
+        "layer_kv_heads": [m.layer_kv_heads(i) for i in range(m.n_layers)],
+        "layer_windows": windows,
+        "rope_fraction": m.rope_fraction,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_eps,
+        "n_routed_experts": m.n_routed,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.expert_dim,
+        "latent_dim": m.latent_dim,
+        "shared_intermediate_size": m.n_shared * m.shared_dim,
+        "router": m.router,
+        "routed_scale": m.routed_scale if m.router == "sigmoid" else 1.0,
+        "max_position_embeddings": m.seq_len,
+        "tie_word_embeddings": False,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+        "moelab_step": t.step,
+    }
+
+
+def _eot(tokenizer_path: Path) -> int | None:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT)
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    os.replace(tmp, out)
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    check_out(out, is_dir=True)
+    t = load_trained(run_dir, step, progress)
+    eot = _eot(t.tokenizer_path)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tensors = hf_tensors(t)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o644)
+        (tmp / "config.json").write_text(json.dumps(hf_config(t, eot), indent=1))
+        gen = {"eos_token_id": eot, "pad_token_id": eot, "use_cache": False}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1))
+        shutil.copyfile(t.tokenizer_path, tmp / "tokenizer.json")
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": t.cfg.model.seq_len,
+                   "clean_up_tokenization_spaces": False}  # fmt: skip
+        if eot is not None:
+            tok_cfg.update(eos_token=EOT, pad_token=EOT)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+        for name in ("configuration_moelab.py", "modeling_moelab.py"):
+            shutil.copyfile(HERE / name, tmp / name)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        _finish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    n = sum(int(v.size) for v in tensors.values())
+    return {"out": str(out), "step": t.step, "tensors": len(tensors), "params": n}
+
+
+def export_safetensors(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
+    from safetensors.numpy import save_file
+
+    from moelab.config import to_dict
+
+    out = Path(out)
+    check_out(out, is_dir=False)
+    t = load_trained(run_dir, step, progress)
+    tensors = {"embed": _np(t.params["embed"]), "head": _np(t.params["head"]), "final_norm": _np(t.params["final_norm"]),
+               "router_bias": _np(t.model_state["router_bias"])}  # fmt: skip
+    tensors.update({f"layers.{k}": _np(v) for k, v in t.params["layers"].items()})
+    meta = {"format": "moelab", "step": str(t.step), "config": json.dumps(to_dict(t.cfg))}
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o644)
+        _finish(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {
+        "out": str(out),
+        "step": t.step,
+        "tensors": len(tensors),
+        "params": sum(int(v.size) for v in tensors.values()),
+    }
