@@ -16,7 +16,8 @@ uses fp32 (norms, router, softmax):
   experts, one SwiGLU ``shared_intermediate_size`` wide, on every token.
 
 Generation recomputes the whole sequence each step (no KV cache here): ``generate()`` works, at
-the cost of speed; ``moelab sample`` is the cached path.
+the cost of speed; ``moelab sample`` is the cached path. Padded batches are refused (positions
+would shift): one prompt, or prompts of the same length.
 """
 
 from __future__ import annotations
@@ -193,10 +194,18 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):  # no cache: the whole sequence each step
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):  # no cache: the whole
+        return {"input_ids": input_ids, "attention_mask": attention_mask}  # sequence each step
 
-    def forward(self, input_ids: torch.LongTensor, labels: torch.LongTensor | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        labels: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("padded batches are not supported: give one prompt, or prompts of the same length")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(
                 f"{input_ids.shape[1]} tokens: the model's context is {self.config.max_position_embeddings}"
