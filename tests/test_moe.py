@@ -11,6 +11,8 @@ from moelab.config import config_from_dict
 from moelab.model import router as rt
 from moelab.model.moe import (
     block_plan,
+    cover_plan,
+    cover_sizes,
     dropless_blocks,
     dropless_loop,
     dropless_ragged,
@@ -342,6 +344,40 @@ def test_block_plan_hand_case():
     np.testing.assert_array_equal(plan.src, [[1, 2], [3, 4], [0, 4], [4, 4], [4, 4]])  # 4 = padding
     np.testing.assert_array_equal(plan.block_expert[:3], [0, 0, 2])
     np.testing.assert_array_equal(plan.row, [4, 0, 1, 2])
+
+
+def test_cover_plan_hand_case_and_invariants():
+    """Blocks of 64/32/16/8 rows: an expert of 70 rows gets 64 + 8, one of 40 gets 32 + 8 (cost 40 + 2
+    overheads of 64/6 beats 64 + 1), one of 100 gets 64 + 32 + 8 (104 rows); none for an empty one."""
+    sizes = (64, 32, 16, 8)
+    idx = jnp.asarray([0] * 70 + [2] * 40 + [3] * 100, jnp.int32)[:, None]
+    plan = cover_plan(idx, 4, sizes)
+    assert [int(c) for c in plan.counts] == [2, 2, 0, 3]
+    got = {(int(e), z) for c, z in enumerate(sizes) for e in np.asarray(plan.experts[c])[: int(plan.counts[c])]}
+    assert got == {(0, 64), (0, 8), (2, 32), (2, 8), (3, 64), (3, 32), (3, 8)}
+    # random loads, balanced to very skewed: every assignment has its own row, inside a block of its
+    # expert; blocks do not overlap; each expert's padding is less than the largest block
+    for seed, skew in [(0, 0.0), (1, 2.0), (2, 20.0)]:
+        rng = np.random.default_rng(seed)
+        t, k, e = 300, 3, 6
+        logits = rng.normal(size=(t, e)) + skew * np.linspace(-1, 1, e)
+        idx = np.argsort(-logits, axis=1)[:, :k].astype(np.int32)
+        sizes = cover_sizes(t * k, e)
+        plan = cover_plan(jnp.asarray(idx), e, sizes)
+        owner = np.full(plan.src.shape[0], -1)
+        for c, z in enumerate(sizes):
+            for off, ex in zip(
+                np.asarray(plan.offsets[c])[: int(plan.counts[c])], np.asarray(plan.experts[c]), strict=False
+            ):
+                assert np.all(owner[off : off + z] == -1)
+                owner[off : off + z] = ex
+        row = np.asarray(plan.row)
+        assert len(set(row.tolist())) == t * k
+        np.testing.assert_array_equal(owner[row], idx.reshape(-1))
+        np.testing.assert_array_equal(np.asarray(plan.src)[row], np.arange(t * k) // k)
+        load = np.bincount(idx.reshape(-1), minlength=e)
+        covered = np.bincount(owner[owner >= 0], minlength=e)
+        assert np.all(covered >= load) and np.all(covered - load < sizes[0])
 
 
 def test_loop_dropless_in_bf16_tracks_fp32():
