@@ -14,6 +14,7 @@ from moelab.model.moe import (
     cover_plan,
     cover_sizes,
     dropless_blocks,
+    dropless_gathered,
     dropless_loop,
     dropless_ragged,
     moe_block,
@@ -311,7 +312,14 @@ def test_router_metrics_hand_case():
 
 
 @pytest.mark.parametrize(
-    "skew,fast", [(0.0, dropless_blocks), (3.0, dropless_blocks), (0.0, dropless_loop), (50.0, dropless_loop)]
+    "skew,fast",
+    [
+        (0.0, dropless_blocks),
+        (3.0, dropless_blocks),
+        (0.0, dropless_loop),
+        (50.0, dropless_loop),
+        (3.0, dropless_gathered),
+    ],
 )
 def test_block_dropless_equals_ragged_dot_path(skew, fast):
     """The CPU fast paths against the ragged_dot reference, with empty and crowded experts.

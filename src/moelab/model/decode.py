@@ -4,7 +4,8 @@ Every layer keeps its keys and values in a ring of slots: a sliding-window layer
 window (``min(window, context)`` slots), a global layer the whole context. Each slot remembers the
 position it holds, so the mask is computed from positions (causal, and the window) and a slot
 that has not been written yet (position -1) is never seen. The MoE runs dropless, each token on
-its own top-k experts as the full forward's dropless dispatch does; so the cached logits equal the
+its own top-k experts as the full forward's dropless dispatch does (a one-token step gathers
+its k experts' weights: ``moe.dropless_gathered``); so the cached logits equal the
 full forward's at every position (tests/test_decode.py), past the window included.
 
 Sampling is on the host, in float64, from an explicit seed: temperature 0 is greedy; otherwise
@@ -21,10 +22,9 @@ import numpy as np
 
 from moelab.config import ModelConfig
 from moelab.errors import UsageError
-from moelab.model import router as rt
-from moelab.model.layers import group_kv, rms_norm, rope, swiglu
+from moelab.model.layers import group_kv, rms_norm, rope
 from moelab.model.moe import moe_block
-from moelab.model.transformer import _cast
+from moelab.model.transformer import _cast, logits_of
 
 
 def cache_slots(m: ModelConfig, context: int) -> list[int]:
@@ -74,27 +74,6 @@ def _attend(p: dict, x: jax.Array, positions: jax.Array, cache: dict, m: ModelCo
     return out @ p["wo"], new
 
 
-def _moe(p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig) -> jax.Array:
-    """The MoE block at inference, dropless. A step of a few tokens gathers each token's k experts'
-    weights (a decode step reads k experts, not all); a prompt goes through the model's dropless
-    dispatch (``moe_block``)."""
-    b, n, d = x.shape
-    if b * n * m.top_k > m.n_routed:
-        return moe_block(p, x, bias, m, "dropless")[0]
-    xt = x.reshape(b * n, d)
-    r = rt.route(jnp.dot(xt.astype(jnp.float32), p["router"].astype(jnp.float32)), bias, m)
-    h = rms_norm(xt @ p["latent_down"], p["latent_norm"], m.norm_eps) if m.latent_dim else xt
-    gate = jnp.einsum("td,tkdf->tkf", h, p["w_gate"][r.idx])
-    up = jnp.einsum("td,tkdf->tkf", h, p["w_up"][r.idx])
-    out = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gate) * up, p["w_down"][r.idx])
-    y = jnp.einsum("tkd,tk->td", out, r.gates.astype(out.dtype))
-    if m.latent_dim:
-        y = y @ p["latent_up"]
-    if m.n_shared:
-        y = y + swiglu(xt, p["shared_gate"], p["shared_up"], p["shared_down"])
-    return y.reshape(b, n, d)
-
-
 def forward_cached(params: dict, state: dict, tokens: jax.Array, start: jax.Array, cache: list[dict], m: ModelConfig):
     """tokens [b, n] at positions start..start+n-1, after what the cache holds -> (logits [b, n, vocab]
     in fp32, the updated cache). n is the prompt's length when prefilling, 1 when decoding."""
@@ -109,10 +88,9 @@ def forward_cached(params: dict, state: dict, tokens: jax.Array, start: jax.Arra
         a, c = _attend(p, rms_norm(x, p["attn_norm"], m.norm_eps), positions, cache[i], m, i)
         new_cache.append(c)
         x = x + a
-        x = x + _moe(p, rms_norm(x, p["mlp_norm"], m.norm_eps), state["router_bias"][i], m)
+        x = x + moe_block(p, rms_norm(x, p["mlp_norm"], m.norm_eps), state["router_bias"][i], m, "dropless")[0]
     x = rms_norm(x, params["final_norm"], m.norm_eps)
-    logits = jnp.einsum("bsd,dv->bsv", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
-    return logits, new_cache
+    return logits_of(params, x), new_cache
 
 
 def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:

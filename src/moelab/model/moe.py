@@ -281,6 +281,15 @@ def dropless_loop(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> ja
     return _combine(out, plan.row, gates)
 
 
+def dropless_gathered(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -> jax.Array:
+    """Every assignment computed with its expert's weights gathered per token: for a handful of
+    tokens (a decoding step), where reading k experts beats any plan over all of them."""
+    gate = jnp.einsum("td,tkdf->tkf", h, w["w_gate"][idx])
+    up = jnp.einsum("td,tkdf->tkf", h, w["w_up"][idx])
+    out = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gate) * up, w["w_down"][idx])
+    return jnp.einsum("tkd,tk->td", out, gates.astype(out.dtype))
+
+
 LOOP_MIN_EXPERT_SIZE = 128 * 128  # din x f at which the loop beats one batched matmul on CPU
 
 
@@ -288,9 +297,12 @@ def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict, impl: str 
     """Dropless dispatch by ``impl`` (``model.moe_impl``): ``auto`` is ragged_dot where the backend
     has grouped matmuls; on CPU the loop over used blocks for experts of at least 128 x 128, the
     batched blocks below that (tiny experts: the loop's per-block cost and compile time outweigh
-    what it saves). All give the same numbers (tests/test_moe.py)."""
+    what it saves); with fewer assignments than experts (a decoding step), each token's experts'
+    weights gathered (``dropless_gathered``). All give the same numbers (tests/test_moe.py)."""
     if impl != "auto":
         return {"ragged": dropless_ragged, "blocks": dropless_blocks, "loop": dropless_loop}[impl](h, idx, gates, w)
+    if idx.size <= w["w_gate"].shape[0]:  # fewer assignments than experts (decoding): gather their weights
+        return dropless_gathered(h, idx, gates, w)
     if jax.default_backend() == "cpu":
         din, f = w["w_gate"].shape[1:]
         return dropless_loop(h, idx, gates, w) if din * f >= LOOP_MIN_EXPERT_SIZE else dropless_blocks(h, idx, gates, w)
