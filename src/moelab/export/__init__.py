@@ -31,7 +31,9 @@ def checkpoint_step(run_dir: str | Path, step: int | None) -> int:
     run = RunDir(run_dir)
     saved = checkpoint.steps(run.ckpt)
     if not saved:
-        raise RunRefused(f"{run.ckpt}: no complete checkpoint; train the run (it saves every train.checkpoint_every steps)")
+        raise RunRefused(
+            f"{run.ckpt}: no complete checkpoint; train the run (it saves every train.checkpoint_every steps)"
+        )
     if step is None:
         return saved[-1]
     if step not in saved:
