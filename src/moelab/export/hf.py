@@ -127,10 +127,6 @@ def _eot(tokenizer_path: Path) -> int | None:
     return Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT)
 
 
-def _finish(tmp: Path, out: Path) -> None:
-    os.replace(tmp, out)
-
-
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
     from safetensors.numpy import save_file
 
@@ -158,7 +154,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
             shutil.copyfile(HERE / name, tmp / name)
         if out.exists():
             out.rmdir()  # empty (checked above)
-        _finish(tmp, out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -182,7 +178,7 @@ def export_safetensors(run_dir: str | Path, out: str | Path, step: int | None = 
     try:
         save_file(tensors, str(tmp), metadata=meta)
         os.chmod(tmp, 0o644)
-        _finish(tmp, out)
+        os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
