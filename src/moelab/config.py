@@ -285,6 +285,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_last: int = 2  # newest checkpoints kept
     keep_every: int = 0  # also keep every checkpoint at a multiple of this step for good (0 = none)
+    keep_steps: tuple[int, ...] = ()  # also checkpoint at these steps and keep them for good (branch points)
     nan_patience: int = 3  # non-finite steps in a row before restoring the last checkpoint
     peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
     poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
@@ -329,6 +330,9 @@ class TrainConfig:
                 parse_replans(t.replans, t.steps)
             except ValueError as exc:
                 e.append(f"train.replans: {exc}")
+        bad = [k for k in t.keep_steps if not (isinstance(k, int) and 0 < k <= t.steps)]
+        if bad:
+            e.append(f"train.keep_steps: steps to checkpoint must lie in 1..train.steps={t.steps}, got {bad[0]!r}")
         if not 0.0 <= t.decay_frac <= 1.0:
             e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
         if not 0.0 <= t.forecast_update_every <= 1.0:
@@ -612,6 +616,7 @@ def to_dict(cfg: Config) -> dict:
 HASH_NEUTRAL = {
     ("mesh", "fsdp"): True,
     ("model", "moe_impl"): "auto",
+    ("train", "keep_steps"): (),
 }  # spill_choices changes what spill does: it is hashed
 
 

@@ -118,7 +118,33 @@ def _make_out(out: str) -> None:
         raise UsageError(f"--out: cannot create {out} ({exc.strerror or exc}); choose a writable directory") from None
 
 
+def _branch(args: argparse.Namespace) -> int:
+    """`moelab train --branch-from PARENT --at STEP --steps N --out DIR`: a new run from the parent's
+    checkpoint at STEP with a horizon of N steps (moelab.train.branch)."""
+    from moelab.train.branch import branch_config, start_branch
+    from moelab.train.loop import train
+    from moelab.train.record import load_run_config
+
+    if args.at is None or args.steps is None:
+        raise UsageError("--branch-from: give --at STEP (the parent's checkpoint) and --steps N (the branch's horizon)")
+    given = [n for n in ("config", "seed", "data", "inject", "resume") if getattr(args, n)]
+    if given:
+        raise UsageError(f"--{given[0]}: a branch is the parent's run; only --steps and --set train.* may change it")
+    if args.max_restarts or args.devices or args.coordinator:
+        raise UsageError(
+            "--branch-from: start the branch alone, then resume it with --resume --out for restarts or meshes"
+        )
+    parent = load_run_config(args.branch_from)
+    cfg = branch_config(parent, args.at, args.steps, list(args.overrides))
+    start_branch(args.branch_from, args.at, args.out, cfg)
+    print(f"branched {args.out} from {args.branch_from} at step {args.at}: {args.steps} steps", file=sys.stderr)
+    print_summary(train(cfg, args.out, resume=True, progress=not args.quiet))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.branch_from:
+        return _branch(args)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.devices is not None:
@@ -212,6 +238,12 @@ def register(sub) -> None:
         help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument(
+        "--branch-from",
+        metavar="RUN_DIR",
+        help="start a new run from this run's checkpoint at --at with a horizon of --steps (the config is the parent's)",
+    )
+    p.add_argument("--at", type=int, metavar="STEP", help="with --branch-from: the parent's checkpoint to start from")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process job: its coordinator address")
     p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
     p.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1 (0 writes the records)")

@@ -88,6 +88,37 @@ def train_step(
     )
 
 
+def _branch(cfg: dict, out: Path) -> dict:
+    from moelab.train.branch import branch_config, branch_point, start_branch
+    from moelab.train.loop import train
+    from moelab.train.record import load_run_config
+
+    branch = branch_config(load_run_config(cfg["parent"]), cfg["at"], cfg["steps"], list(cfg.get("overrides", [])),
+                           cfg.get("run_name", ""))  # fmt: skip
+    if branch_point(out) is None:  # a rerun of a failed branch resumes it; a new one starts from the parent
+        start_branch(cfg["parent"], cfg["at"], out, branch)
+    return train(branch, out, resume=True, progress=cfg.get("progress", True))
+
+
+def branch_step(name: str, parent, at: int, steps: int, overrides: list[str] = (), *, run_name: str = "",
+                progress: bool = True) -> Step:  # fmt: skip
+    """A run from ``parent``'s checkpoint at step ``at`` (``output_of(a train step)``, trained with
+    ``train.keep_steps`` naming ``at``) with a horizon of ``steps`` (moelab.train.branch); the parent
+    is a dependency of the step, so the graph records it and the branch's identity follows it."""
+    return Step(
+        name=name,
+        fn=_branch,
+        config={
+            "parent": versioned(parent),
+            "at": versioned(int(at)),
+            "steps": versioned(int(steps)),
+            "overrides": versioned(list(overrides)),
+            "run_name": run_name,
+            "progress": progress,
+        },  # fmt: skip
+    )
+
+
 def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -> tuple[list[Step], object]:
     """One training step per rung of a ladder plan, and the target's config (None without one)."""
     from moelab.ladder.plan import load_ladder, rung_config

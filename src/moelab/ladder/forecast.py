@@ -93,6 +93,24 @@ def rung_run(run_dir: str | Path, metric: str = "loss_dropless") -> L.Run:
     return run
 
 
+def shared_prefixes_once(runs: list[L.Run]) -> list[L.Run]:
+    """A branch (moelab.train.branch) holds its parent's evaluations up to the branch step: when the
+    parent is among ``runs`` too, the branch keeps only its own, so that no measurement counts twice."""
+    from moelab.train.branch import branch_point
+
+    dirs = {str(Path(r.dir).resolve()) for r in runs if r.dir}
+    out = []
+    for r in runs:
+        ev = branch_point(r.dir) if r.dir else None
+        if ev is not None and ev["parent"] in dirs:
+            keep = r.steps > ev["step"]
+            cut = r.with_loss(r.steps[keep], r.loss[keep])
+            cut.dir = r.dir
+            r = cut
+        out.append(r)
+    return out
+
+
 def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bool = False) -> dict:
     """A rung's held-out macro loss at each 5% of its run, with its compute (the per-fraction form)."""
     run_dir = Path(run_dir)
@@ -336,7 +354,7 @@ def forecast(
             raise ForecastError("--ladder: fewer than two rungs have evaluations at the same fractions")
         fc["law"] = law
     else:
-        runs = [rung_run(d) for d in rung_dirs]
+        runs = shared_prefixes_once([rung_run(d) for d in rung_dirs])
         try:
             L.check(fitted(runs), law)
         except L.LawError as exc:

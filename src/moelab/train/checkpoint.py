@@ -34,7 +34,9 @@ def steps(root: Path) -> list[int]:
     return [s for s, _ in _dirs(root)]
 
 
-def save(root: Path, step: int, state, meta: dict, keep_last: int, keep_every: int, fault_hook=None) -> Path:
+def save(
+    root: Path, step: int, state, meta: dict, keep_last: int, keep_every: int, fault_hook=None, keep_steps=()
+) -> Path:
     import orbax.checkpoint as ocp
 
     primary = jax.process_index() == 0  # in a multi-process job every process saves its shards
@@ -56,7 +58,7 @@ def save(root: Path, step: int, state, meta: dict, keep_last: int, keep_every: i
         if final.exists():
             shutil.rmtree(final)
         os.rename(partial, final)
-        _prune(root, keep_last, keep_every)
+        _prune(root, keep_last, keep_every, keep_steps)
     _sync(f"ckpt-done-{step}")
     return final
 
@@ -69,11 +71,11 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _prune(root: Path, keep_last: int, keep_every: int) -> None:
+def _prune(root: Path, keep_last: int, keep_every: int, keep_steps=()) -> None:
     found = _dirs(root)
     newest = {s for s, _ in found[-keep_last:]}
     for s, p in found:
-        if s in newest or (keep_every and s % keep_every == 0):
+        if s in newest or (keep_every and s % keep_every == 0) or s in keep_steps:
             continue
         shutil.rmtree(p, ignore_errors=True)
 

@@ -442,7 +442,8 @@ class _Job:
             "seed": cfg.train.seed,
             "time": time.time(),
         }
-        path = checkpoint.save(run.ckpt, done, self.state, meta, cfg.train.keep_last, cfg.train.keep_every, self.fault)
+        t = cfg.train
+        path = checkpoint.save(run.ckpt, done, self.state, meta, t.keep_last, t.keep_every, self.fault, t.keep_steps)
         run.event("checkpoint", step=done, path=f"ckpt/{path.name}")
 
     def after_step(self, done: int, metrics, timing: list) -> None:
@@ -466,7 +467,7 @@ class _Job:
             timing[:] = [0.0, 0]
         if done in self.evals:
             self.evaluate(done)
-        if done % cfg.train.checkpoint_every == 0 or done == steps:
+        if done % cfg.train.checkpoint_every == 0 or done == steps or done in cfg.train.keep_steps:
             # a new checkpoint is a new place to restore to: the guard may restore again, and the
             # checkpoint says so, or a run resumed from it would stop where this one restores
             self.guard["restored"] = False
