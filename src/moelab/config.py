@@ -270,6 +270,7 @@ class TrainConfig:
     seed: int = 0
     optimizer: str = "adamw"
     lr: float | str = 3e-3  # a number, or "auto" for Marin's compute-scaled heuristic
+    lr_scale: float = 1.0  # the peak rate times this (a learning-rate sweep around a rule such as auto)
     warmup_frac: float = 0.01
     min_lr_ratio: float = 0.05
     schedule: str = "linear"
@@ -307,6 +308,8 @@ class TrainConfig:
                 e.append(f"train.lr: must be a number or 'auto', got {t.lr!r}")
         elif t.lr <= 0:
             e.append(f"train.lr: must be > 0, got {t.lr}")
+        if not (isinstance(t.lr_scale, (int, float)) and t.lr_scale > 0):
+            e.append(f"train.lr_scale: must be a number > 0, got {t.lr_scale!r}")
         if t.optimizer not in ("adamw", "muon"):
             e.append(f"train.optimizer: must be adamw or muon, got {t.optimizer!r}")
         if t.schedule not in ("linear", "wsd", "constant"):
@@ -617,6 +620,7 @@ HASH_NEUTRAL = {
     ("mesh", "fsdp"): True,
     ("model", "moe_impl"): "auto",
     ("train", "keep_steps"): (),
+    ("train", "lr_scale"): 1.0,
 }  # spill_choices changes what spill does: it is hashed
 
 

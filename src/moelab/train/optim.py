@@ -71,6 +71,7 @@ def hyper(cfg: Config) -> Hyper:
         muon = peak * t.muon_lr_ratio  # Marin's 13/3 is the field's default; a recipe may set another
     else:
         peak, muon, beta2, eps = float(t.lr), float(t.lr) * t.muon_lr_ratio, t.beta2, 1e-8
+    peak, muon = peak * t.lr_scale, muon * t.lr_scale
     warmup = int(round(t.warmup_frac * steps))
     replans = tuple((at, new) for at, _, new in changes)
     return Hyper(peak, muon, t.beta1, beta2, eps, warmup, steps, t.min_lr_ratio, t.schedule, t.decay_frac, replans)
