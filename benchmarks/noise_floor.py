@@ -2,8 +2,9 @@
 
 Issue 24, item 1. The demo's ladder recipe (ladders/demo.yaml) is trained with several seeds (a seed
 sets the initialisation and the data order) at its largest rung (d48) and at its target (d104), on
-each development corpus. For each:
-- the per-run standard deviation of the held-out loss (dropless, macro) at the end and at 50% of the
+each development corpus. For each, and for two ways of averaging the domains' held-out losses (the
+macro mean, and `mix`: each domain by its share of the training mixture):
+- the per-run standard deviation of the held-out loss (dropless) at the end and at 50% of the
   run, relative to the mean, with a 90% confidence interval (chi-square, seeds - 1 degrees of freedom);
 - the evaluation's part, separated with paired windows: every seed's last checkpoint is evaluated on
   the same K disjoint sets of held-out windows; a two-way decomposition of the log-loss [seed, set]
@@ -98,15 +99,36 @@ def train_one(cfg, out: Path) -> float:
     return dt
 
 
-def curve(out: Path) -> dict:
-    """step -> held-out macro loss (dropless) of a finished run."""
+AGGS = ("macro", "mix")
+
+
+def shares(out: Path) -> dict:
+    """The run's domains' shares of its training rows (the weights of ``mix``)."""
+    from moelab.data.mixture import build_mixture
+    from moelab.data.store import build_store
+    from moelab.train.evaluate import _no_cap
+    from moelab.train.record import load_run_config
+
+    cfg = load_run_config(out)
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+    return build_mixture(_no_cap(cfg), store).shares(cfg.train.steps)
+
+
+def curve(out: Path, agg: str) -> dict:
+    """step -> held-out loss (dropless, ``agg``) of a finished run; ``mix`` worked out from the
+    domains' losses for runs evaluated before the evaluator wrote it."""
     from moelab.train.record import read_jsonl
 
-    return {r["step"]: r["loss_dropless"]["macro"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"}
+    recs = [r["loss_dropless"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    if agg == "mix" and any("mix" not in r for r in recs):
+        w = shares(out)
+        recs = [{**r, "mix": sum(w[d] * r[d] for d in w)} for r in recs]
+    return {s: r[agg] for s, r in zip(steps, recs, strict=True)}
 
 
-def window_sets(out: Path, eval_tokens: int | None = None, sets: int = SETS) -> list[float]:
-    """The last checkpoint's macro loss (dropless) on ``sets`` disjoint sets of held-out windows."""
+def window_sets(out: Path, eval_tokens: int | None = None, sets: int = SETS) -> list[dict]:
+    """The last checkpoint's held-out losses (dropless; macro and mix) on ``sets`` disjoint sets of windows."""
     from moelab.train.evaluate import Evaluator, disjoint_sets, restored
 
     _, cfg, store, state, _ = restored(out, progress=False)
@@ -118,35 +140,37 @@ def window_sets(out: Path, eval_tokens: int | None = None, sets: int = SETS) -> 
     return [
         Evaluator(cfg, store, offset={d: k % per[d] for d in per}, dropless_only=True)(
             state["params"], state["model_state"]
-        )["loss_dropless"]["macro"]
+        )["loss_dropless"]
         for k in range(n)
     ]
 
 
 def measure(runs: list[tuple[object, Path]], eval_tokens: int | None = None) -> dict:
-    """Spread at the end and at 50%, the paired-window decomposition, and the cost of one run."""
-    curves = [curve(out) for _, out in runs]
+    """Spread at the end and at 50%, the paired-window decomposition, and the cost of one run; for
+    the macro and the mixture-weighted held-out loss."""
     cfg = runs[0][0]
     steps = cfg.train.steps
     half = int(round(steps / 2))
-    table = np.log(np.array([window_sets(out, eval_tokens) for _, out in runs]))
-    # with other eval tokens than the run's, its own evaluations do not apply: the first set does
-    finals = list(np.exp(table[:, 0])) if eval_tokens else [c[steps] for c in curves]
-    evals = len(curves[0])
+    sets = [window_sets(out, eval_tokens) for _, out in runs]
+    w = shares(runs[0][1])
+    evals = len(curve(runs[0][1], "macro"))
     tokens = steps * cfg.train.batch_size * cfg.model.seq_len
     eval_tok = (eval_tokens or cfg.train.eval_tokens) * 3 * evals  # three domains per evaluation
-    return {
-        "steps": steps,
-        "seeds": [c.train.seed for c, _ in runs],
-        "final": spread(finals),
-        "final_on_first_set": spread(np.exp(table[:, 0])),
-        "half": spread([c[half] for c in curves]) if not eval_tokens and all(half in c for c in curves) else None,
-        "windows": decompose(table),
-        "finals": finals,
-        "cost_tokens": tokens + eval_tok,
-        "train_tokens": tokens,
-        "eval_tokens_per_domain": eval_tokens or cfg.train.eval_tokens,
-    }
+    out = {"steps": steps, "seeds": [c.train.seed for c, _ in runs], "cost_tokens": tokens + eval_tok,
+           "train_tokens": tokens, "eval_tokens_per_domain": eval_tokens or cfg.train.eval_tokens, "shares": w}  # fmt: skip
+    for agg in AGGS:
+        curves = [curve(o, agg) for _, o in runs]
+        table = np.log(np.array([[x.get(agg, sum(w[d] * x[d] for d in w)) for x in row] for row in sets]))
+        # with other eval tokens than the run's, its own evaluations do not apply: the first set does
+        finals = list(np.exp(table[:, 0])) if eval_tokens else [c[steps] for c in curves]
+        out[agg] = {
+            "final": spread(finals),
+            "final_on_first_set": spread(np.exp(table[:, 0])),
+            "half": spread([c[half] for c in curves]) if not eval_tokens and all(half in c for c in curves) else None,
+            "windows": decompose(table),
+            "finals": finals,
+        }
+    return out
 
 
 def main() -> None:
@@ -223,30 +247,35 @@ def main() -> None:
 
 
 def report_corpus(corpus: str, r: dict) -> None:
-    for name, m in r.items():
-        w = m["windows"]
-        half = f"; at 50% {m['half']['rel_sd']:.2%}" if m["half"] else ""
-        print(
-            f"  {corpus} {name}: {m['final']['n']} seeds, final {m['final']['mean']:.4f}, per-run sd "
-            f"{m['final']['rel_sd']:.2%} [90%: {m['final']['ci90'][0]:.2%}, {m['final']['ci90'][1]:.2%}]{half}; "
-            f"windows averaged {w['model_rel_sd']:.2%}, run-by-window {w['interaction_rel_sd']:.2%}, "
-            f"set to set {w['window_rel_sd']:.2%}",
-            flush=True,
-        )
+    for name, run in r.items():
+        for agg in AGGS:
+            m = run[agg]
+            w = m["windows"]
+            half = f"; at 50% {m['half']['rel_sd']:.2%}" if m["half"] else ""
+            print(
+                f"  {corpus} {name} ({agg}): {m['final']['n']} seeds, final {m['final']['mean']:.4f}, per-run sd "
+                f"{m['final']['rel_sd']:.2%} [90%: {m['final']['ci90'][0]:.2%}, {m['final']['ci90'][1]:.2%}]{half}; "
+                f"windows averaged {w['model_rel_sd']:.2%}, run-by-window {w['interaction_rel_sd']:.2%}, "
+                f"set to set {w['window_rel_sd']:.2%}",
+                flush=True,
+            )
 
 
 def report_variants(v: dict) -> None:
-    base = v["baseline"]
-    b_cost, b_var = base["cost_tokens"], base["final"]["rel_sd"] ** 2
-    print("| variant | final loss | per-run sd (90% CI) | run-by-window sd | cost (tokens) | variance x cost |")
-    print("|---|---|---|---|---|---|")
-    for tag, m in v.items():
-        f = m["final"]
-        print(
-            f"| {tag} | {f['mean']:.4f} | {f['rel_sd']:.2%} ({f['ci90'][0]:.2%}-{f['ci90'][1]:.2%}) | "
-            f"{m['windows']['interaction_rel_sd']:.2%} | {m['cost_tokens']:.3g} | "
-            f"{f['rel_sd'] ** 2 * m['cost_tokens'] / (b_var * b_cost):.2f}x |"
-        )
+    for agg in AGGS:
+        base = v["baseline"]
+        b_cost, b_var = base["cost_tokens"], base[agg]["final"]["rel_sd"] ** 2
+        print(f"\nheld-out loss, {agg}:")
+        print("| variant | final loss | per-run sd (90% CI) | run-by-window sd | cost (tokens) | variance x cost |")
+        print("|---|---|---|---|---|---|")
+        for tag, run in v.items():
+            m = run[agg]
+            f = m["final"]
+            print(
+                f"| {tag} | {f['mean']:.4f} | {f['rel_sd']:.2%} ({f['ci90'][0]:.2%}-{f['ci90'][1]:.2%}) | "
+                f"{m['windows']['interaction_rel_sd']:.2%} | {run['cost_tokens']:.3g} | "
+                f"{f['rel_sd'] ** 2 * run['cost_tokens'] / (b_var * b_cost):.2f}x |"
+            )
 
 
 if __name__ == "__main__":

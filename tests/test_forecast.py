@@ -38,7 +38,10 @@ def linear_lr(steps: int, warmup: int, floor: float = 0.05) -> np.ndarray:
 def run_of(n: float, tokens_per_param: float = 20, points: int = 20, name: str = "") -> L.Run:
     steps = int(math.ceil(tokens_per_param * n / TAU))
     at = np.unique(np.round(np.arange(1, points + 1) * steps / points))
-    return L.Run(name or f"n{n:g}", n, TAU, linear_lr(steps, max(1, steps // 100)), at)
+    # the peak rate falls with size, as Marin's rule has it (the -peak laws read it)
+    return L.Run(
+        name or f"n{n:g}", n, TAU, linear_lr(steps, max(1, steps // 100)), at, peak_lr=0.01 * (n / 1e4) ** -0.5
+    )
 
 
 SIZES = (1e4, 2e4, 4e4, 8e4)
@@ -50,6 +53,17 @@ TRUTH = {
         "multi-power", (1.2, 1.5, 1.8, 0.6), {"alpha": 0.35, "beta": 0.3, "log_t": -2.5, "gamma": 1.0}, 3e4, 6e5
     ),
     "chinchilla": L.LawFit("chinchilla", (1.2, 1.5, 1.8), {"alpha": 0.35, "beta": 0.3}, 3e4, 6e5),
+    "lr-annealing-peak": L.LawFit(
+        "lr-annealing-peak", (1.2, 1.5, 1.8, 0.6), {"alpha": 0.35, "beta": 0.3, "log_t": -3.0}, 3e4, 6e5, lr_ref=0.005
+    ),
+    "multi-power-peak": L.LawFit(
+        "multi-power-peak",
+        (1.2, 1.5, 1.8, 0.6),
+        {"alpha": 0.35, "beta": 0.3, "log_t": -2.5, "gamma": 1.0},
+        3e4,
+        6e5,
+        lr_ref=0.005,
+    ),
 }
 
 
@@ -96,8 +110,9 @@ def test_the_schedule_terms_are_what_they_say():
 
 def test_a_backtest_never_sees_the_run_it_predicts():
     truth = TRUTH["lr-annealing"]
-    runs = noisy(truth, [run_of(n) for n in (*SIZES, 2.6e5)], 0.002)
-    *rungs, target = runs
+    runs = noisy(truth, [run_of(n) for n in (*SIZES, 2.6e5)] + [run_of(4e4, name="n4e4-s1")], 0.002)
+    *rungs, target, seed = runs
+    rungs.append(seed)
     poisoned = target.with_loss(target.steps, target.loss * 3.0)  # a leak would move the forecast
     a, b = backtest(rungs, target, "lr-annealing", n_boot=10), backtest(rungs, poisoned, "lr-annealing", n_boot=10)
     for key in ("predicted", "low", "high"):
@@ -145,7 +160,12 @@ def write_run(root, name: str, cfg, law_fit: L.LawFit | None = None, upto: float
         with open(run / "metrics.jsonl", "w") as fh:
             for s, v in zip(tr.steps, law_fit.predict(tr), strict=True):
                 if s <= upto * tr.total_steps:
-                    fh.write(json.dumps({"kind": "eval", "step": int(s), "loss_dropless": {"macro": float(v)}}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {"kind": "eval", "step": int(s), "loss_dropless": {"macro": float(v), "mix": float(v)}}
+                        )
+                        + "\n"
+                    )
     return run
 
 
@@ -156,13 +176,19 @@ def tiny_cfg(d: int, steps: int, extra=()):
                                 f"train.steps={steps}", "train.batch_size=8", *extra])  # fmt: skip
 
 
+# four sizes and a second seed of one: five independent runs, the three degrees of freedom a band needs
+LADDER = ((32, 150, ""), (48, 260, ""), (48, 260, "-s1"), (64, 400, ""), (80, 560, ""))
+
+
+def ladder_dirs(root, truth) -> list:
+    return [write_run(root, f"d{d}{tag}", tiny_cfg(d, s), truth) for d, s, tag in LADDER]
+
+
 def test_forecast_reads_a_schedule_the_rungs_never_ran(tmp_path):
     """Linear-decay rungs, a WSD target: the forecast is the law at the WSD schedule (by hand from
     the fitted parameters), not the linear curve."""
     truth = L.LawFit("lr-annealing", (1.3, 1.2, 2.0, 0.8), {"alpha": 0.3, "beta": 0.3, "log_t": -3.0}, 3e4, 3e5)
-    dirs = [
-        write_run(tmp_path, f"d{d}", tiny_cfg(d, s), truth) for d, s in ((32, 150), (48, 260), (64, 400), (80, 560))
-    ]
+    dirs = ladder_dirs(tmp_path, truth)
     wsd = tiny_cfg(128, 1500, ["train.schedule=wsd", "train.decay_frac=0.2"])
     fc = forecast(dirs, wsd, law="lr-annealing", n_boot=10)
     fit = L.LawFit.from_dict(fc["fit"])
@@ -189,10 +215,7 @@ def test_replan_forecasts_the_new_schedule(tmp_path):
     from moelab.train import checkpoint
 
     truth = L.LawFit("lr-annealing", (1.3, 1.2, 2.0, 0.8), {"alpha": 0.3, "beta": 0.3, "log_t": -3.0}, 3e4, 3e5)
-    dirs = [
-        str(write_run(tmp_path, f"d{d}", tiny_cfg(d, s), truth))
-        for d, s in ((32, 150), (48, 260), (64, 400), (80, 560))
-    ]
+    dirs = [str(d) for d in ladder_dirs(tmp_path, truth)]
     cfg = tiny_cfg(128, 1000)
     run = write_run(tmp_path, "target", cfg)
     (run / "forecast.json").write_text(json.dumps(forecast(dirs, cfg, law="lr-annealing", n_boot=10)))
@@ -223,9 +246,9 @@ def test_replan_forecasts_the_new_schedule(tmp_path):
 @pytest.mark.slow  # ~15 s of CLI runs; the laws' fits are tested in-process by default
 def test_forecast_and_backtest_commands_by_law(tmp_path):
     truth = L.LawFit("lr-annealing", (1.3, 1.2, 2.0, 0.8), {"alpha": 0.3, "beta": 0.3, "log_t": -3.0}, 3e4, 3e5)
-    dirs = [
-        str(write_run(tmp_path, f"d{d}", tiny_cfg(d, s), truth))
-        for d, s in ((32, 150), (48, 260), (64, 400), (80, 560))
+    # a backtest holds the largest size out: another seed keeps the rest at three degrees of freedom
+    dirs = [str(d) for d in ladder_dirs(tmp_path, truth)] + [
+        str(write_run(tmp_path, "d64-s1", tiny_cfg(64, 400), truth))
     ]
     out = tmp_path / "fc.json"
     res = run_cli("ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=900",
@@ -237,7 +260,7 @@ def test_forecast_and_backtest_commands_by_law(tmp_path):
     res = run_cli("ladder", "backtest", "--ladder", *dirs, "--law", "all", "--n-boot", "10", "--json")
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)["backtests"]
-    assert [b["law"] for b in got] == ["multi-power", "lr-annealing", "chinchilla", "per-fraction"]
+    assert [b["law"] for b in got] == [*L.LAWS, "per-fraction"]
     assert abs(got[1]["final_error"]) < 0.005  # the law the curves came from, across an exact extrapolation
     res = run_cli("ladder", "forecast", "--ladder", *dirs[:1], "--target", "tiny", "--out", str(out))
     assert res.returncode == 2 and "two sizes" in res.stderr and res.stderr.count("\n") == 1
@@ -297,7 +320,7 @@ def synthetic_rung(root, d, steps=100, bump=None):
             loss = law(max(total * k / 20, 1.0))
             if bump and k == bump[0]:
                 loss += bump[1]
-            fh.write(json.dumps({"kind": "eval", "step": step, "loss_dropless": {"macro": loss}}) + "\n")
+            fh.write(json.dumps({"kind": "eval", "step": step, "loss_dropless": {"macro": loss, "mix": loss}}) + "\n")
     return run, total
 
 
@@ -338,7 +361,7 @@ def test_backtest_reports_errors_for_the_largest_rung(tmp_path):
         recs = [json.loads(x) for x in fh]
     with open(dirs[-1] / "metrics.jsonl", "w") as fh:
         for r in recs:
-            fh.write(json.dumps({**r, "loss_dropless": {"macro": 2 * r["loss_dropless"]["macro"]}}) + "\n")
+            fh.write(json.dumps({**r, "loss_dropless": {k: 2 * v for k, v in r["loss_dropless"].items()}}) + "\n")
     res = run_cli("ladder", "backtest", "--ladder", *map(str, dirs), "--law", "per-fraction", "--json")
     (poisoned,) = json.loads(res.stdout)["backtests"]
     assert [r["predicted"] for r in poisoned["curve"]] == [r["predicted"] for r in bt["curve"]]
@@ -363,3 +386,116 @@ def test_forecast_and_backtest_commands(tmp_path):
     assert res.returncode == 0 and len(json.loads(res.stdout)["backtests"][0]["curve"]) == 20
     res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "no config.json" in res.stderr
+
+
+# ----------------------------------------------------------------------- a fit that knows its errors
+
+
+def seeded_ladder(truth: L.LawFit, sizes, seeds: int, rung_sd: float, point_sd: float, rho: float, seed: int = 0):
+    """Runs of each size and seed from ``truth``, each seed off by an offset of its own and each run's
+    points autocorrelated (AR(1)): what real rungs look like, drawn with a known answer."""
+    runs = [run_of(n, name=f"n{n:g}-s{k}") for n in sizes for k in range(seeds)]
+    return draw_ladder(np.random.default_rng(seed), truth, runs, {"rung": rung_sd, "point": point_sd, "rho": rho})
+
+
+def test_the_fit_recovers_its_parameters_within_their_intervals_from_correlated_noise():
+    from moelab.ladder.forecast import forecast_joint
+
+    truth = TRUTH["chinchilla"]
+    runs = seeded_ladder(truth, (1e4, 2e4, 4e4, 8e4, 1.6e5), 2, 0.004, 0.003, 0.6)
+    fc = forecast_joint(runs, run_of(6.4e5), "chinchilla", n_boot=60, model=False)
+    want = truth.params()
+    for k in ("E", "A", "B", "alpha", "beta"):
+        got = fc["params"][k]
+        assert got["low"] <= want[k] <= got["high"], (k, want[k], got)
+        assert got["low"] <= got["value"] <= got["high"]
+    assert fc["fit"]["at_bound"] == [] and not fc["warnings"]
+    assert fc["band"]["dof"]["rung"] == 8  # ten independent runs, two spent on the size term
+    assert fc["noise"]["lineages"] == 10
+
+
+def test_a_parameter_held_at_a_bound_is_flagged_with_its_sensitivity():
+    from moelab.ladder.forecast import forecast_joint
+
+    # curves that bend less than any floor allows (E below zero in the truth): E ends on its lower bound
+    truth = L.LawFit("chinchilla", (-0.5, 1.5, 1.8), {"alpha": 0.35, "beta": 0.3}, 3e4, 6e5)
+    runs = seeded_ladder(truth, (1e4, 2e4, 4e4), 2, 0.002, 0.002, 0.3, seed=1)
+    fc = forecast_joint(runs, run_of(3.2e5), "chinchilla", n_boot=20)
+    assert "E" in fc["fit"]["at_bound"]
+    assert any(w.startswith("E ends on a bound") for w in fc["warnings"])
+    sens = fc["e_sensitivity"]
+    assert sens["moves"] and sens["final_change_per_nat"] > 0  # holding E at 0.5 moves the forecast up
+    assert all(m["final"] > sens["final"] for m in sens["moves"])
+    up = sens["moves"][-1]  # E half a nat above its fitted value
+    assert up["E"] == pytest.approx(sens["E"] + 0.5) and up["objective_ratio"] > 1
+    held = forecast_joint(runs, run_of(3.2e5), "chinchilla", n_boot=20, e_fixed=up["E"])
+    assert held["fit"]["linear"][0] == up["E"] and held["fit"]["fixed"] == ["E"] and "E" not in held["fit"]["at_bound"]
+    assert held["loss"][-1] == pytest.approx(up["final"], rel=1e-6)
+
+
+def test_the_band_needs_three_degrees_of_freedom_for_every_variance():
+    from moelab.ladder.forecast import forecast_joint
+
+    truth = TRUTH["chinchilla"]
+    four = seeded_ladder(truth, SIZES, 1, 0.004, 0.003, 0.5)  # four runs: two degrees of freedom
+    with pytest.raises(L.LawError, match="2 degrees of freedom.*needs 3"):
+        forecast_joint(four, run_of(3.2e5), "chinchilla", n_boot=10)
+    # a noise floor measured apart (its own degrees of freedom) is pooled with the ladder's
+    fc = forecast_joint(four, run_of(3.2e5), "chinchilla", n_boot=10, floor={"sd": 0.004, "dof": 6})
+    assert fc["band"]["dof"]["rung"] == 8 and fc["noise"]["floor"] == {"sd": 0.004, "dof": 6}
+    five = seeded_ladder(truth, (*SIZES, 1.6e5), 1, 0.004, 0.003, 0.5)
+    fc = forecast_joint(five, run_of(3.2e5), "chinchilla", n_boot=10)
+    assert fc["band"]["dof"]["rung"] >= 3 and fc["band"]["dof"]["model"] >= 3  # five sizes left out in turn
+
+
+def test_the_model_error_is_what_leaving_each_size_out_misses_beyond_noise():
+    from moelab.ladder.forecast import estimate_noise, fitted, model_error
+
+    truth = TRUTH["lr-annealing"]
+    sizes = (1e4, 2e4, 4e4, 8e4, 1.6e5)
+    exact = [r.with_loss(r.steps, truth.predict(r)) for r in (run_of(n) for n in sizes)]
+    target = run_of(6.4e5)
+    use = fitted(exact)
+    noise = {"rung": 0.002, "point": 0.003, "rho": 0.5}  # what noise alone would give a fold: subtracted
+    right = model_error(use, "lr-annealing", noise, target)
+    assert right["dof"] == 5 and right["sd"] == 0.0 and max(abs(f["error"]) for f in right["folds"]) < 1e-3
+    # a law that cannot read the schedule misses the annealing of a held-out size: a model error, by hand
+    wrong = model_error(use, "chinchilla", noise, target)
+    by_hand = []
+    for n in sizes:
+        f = L.fit_law([r for r in use if r.n != n], "chinchilla")
+        r = next(r for r in use if r.n == n)
+        late = r.steps > 0.2 * r.total_steps
+        by_hand.append(np.mean(np.log(f.predict(r)[late] / r.loss[late])))
+    np.testing.assert_allclose([f["error"] for f in wrong["folds"]], by_hand, rtol=1e-6)
+    counts = [int(np.sum(r.steps > 0.2 * r.total_steps)) for r in use]
+    assert [f["points"] for f in wrong["folds"]] == [[c] for c in counts]
+    # noise alone: the offset's variance and the mean of AR(1) points' ((1 + rho) / (1 - rho) = 3 times theirs)
+    expected = np.mean([0.002**2 + 0.003**2 * 3 / c for c in counts])
+    assert wrong["sd"] == pytest.approx(math.sqrt(np.mean(np.square(by_hand)) - expected), rel=1e-6)
+    assert wrong["sd"] > 5 * right["sd"] and wrong["scale"] == pytest.approx(math.log(4) / wrong["distance_ref"])
+    assert [f["extrapolation"] for f in wrong["folds"]] == [True, False, False, False, True]
+    est = estimate_noise(L.fit_law(use, "lr-annealing"), use)
+    assert est["lineages"] == 5 and est["dof"] == 3
+
+
+def test_a_run_and_its_branches_share_one_seed_offset():
+    """A branch starts from its parent's checkpoint: its offset from the law is the parent's, so the
+    synthetic ladders draw one offset per lineage, and lineages, not runs, give degrees of freedom."""
+    from moelab.ladder.forecast import estimate_noise
+
+    truth = TRUTH["chinchilla"]
+    runs = []
+    for n in (1e4, 2e4, 4e4, 8e4, 1.6e5):
+        parent = run_of(n, name=f"n{n:g}")
+        parent.group = parent.name
+        branch = run_of(n, tokens_per_param=10, name=f"n{n:g}-short")
+        branch.group = parent.name
+        runs += [parent, branch]
+    synth = draw_ladder(np.random.default_rng(0), truth, runs, {"rung": 0.01, "point": 0.0, "rho": 0.0})
+    dev = [float(np.mean(np.log(r.loss / truth.predict(r)))) for r in synth]
+    for k in range(0, 10, 2):
+        assert dev[k] == pytest.approx(dev[k + 1], abs=1e-12)  # parent and branch: one offset
+    assert len({round(x, 9) for x in dev[::2]}) == 5  # five seeds: five offsets
+    est = estimate_noise(L.fit_law(synth, "chinchilla"), synth)
+    assert est["lineages"] == 5 and est["dof"] == 3  # not ten runs: five seeds

@@ -31,7 +31,7 @@ def pipeline(corpus, tmp_path_factory):
         "name: micro\nrecipe: tiny\n"
         f"overrides: {json.dumps(overrides)}\n"
         "widths: [32, 48, 64]\ntarget_width: 96\nhead_dim: 16\nlayers: [1]\nbatch_size: 4\n"
-        "tokens_per_active_param: 0.5\n"
+        "tokens_per_active_param: 0.5\nseeds: 2\n"  # six independent runs: the band's three degrees of freedom
     )
     rungs, target_cfg = ladder_steps(str(root / "micro.yaml"), progress=False)
     fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg)

@@ -77,7 +77,7 @@ def test_replan_a_real_run_then_resume_follows_the_new_plan(corpus, tmp_path):
     res = _train_cli(corpus, out, steps=40, env={"MOELAB_TEST_FAULTS": "kill@25"})  # checkpoints at 10 and 20
     assert res.returncode == -9
     # a forecast from three (synthetic) rungs, as `moelab ladder forecast` writes it into the run
-    rungs = [str(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128)]
+    rungs = [str(synthetic_rung(tmp_path, d)[0]) for d in (64, 96, 128, 160, 192)]  # five runs: a band's 3 dof
     micro = [a for o in MICRO for a in ("--set", o)]
     res = run_cli("ladder", "forecast", "--ladder", *rungs, "--target", "tiny", *micro, "--set", "train.steps=40",
                   "--out", str(out / "forecast.json"))  # fmt: skip

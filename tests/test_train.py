@@ -322,8 +322,17 @@ def test_metrics_and_eval_records(corpus, tmp_path):
     gn = np.sqrt(sum(v**2 for v in r["grad_norm_groups"].values()))
     assert gn == pytest.approx(r["grad_norm"], rel=1e-4)  # the groups partition the parameters
     e = ev[-1]
-    assert set(e["loss"]) == {"code", "prose", "macro"} and set(e["bpb_dropless"]) == {"code", "prose", "macro"}
+    keys = {"code", "prose", "macro", "mix"}
+    assert set(e["loss"]) == keys and set(e["bpb_dropless"]) == keys
     assert e["loss"]["macro"] == pytest.approx((e["loss"]["code"] + e["loss"]["prose"]) / 2)
+    # mix: each domain by its share of the training rows; with no mixture given, its share of the training tokens
+    from moelab.data.store import build_store
+
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+    code, prose = (len(store.stream(d, "train")) for d in ("code", "prose"))
+    w = code / (code + prose)
+    assert 0.05 < w < 0.95
+    assert e["loss"]["mix"] == pytest.approx(w * e["loss"]["code"] + (1 - w) * e["loss"]["prose"], rel=1e-9)
 
 
 def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
@@ -392,7 +401,7 @@ def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
     )
     summary = train(cfg, tmp_path / "run", progress=False)
     first, final = summary["first_eval"]["loss"], summary["final_eval"]["loss"]
-    assert set(first) == {"stdlib-code", "stdlib-tests", "stdlib-docs", "macro"}
+    assert set(first) == {"stdlib-code", "stdlib-tests", "stdlib-docs", "macro", "mix"}
     for domain in first:
         assert final[domain] < first[domain] - 1.0, (domain, first[domain], final[domain])
 

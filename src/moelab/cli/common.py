@@ -96,3 +96,5 @@ def print_plan(ladder, flops_per_s: float | None = None, as_json: bool = False) 
             f" {r['batch_size']:>6} {h(r['total_params']):>8} {h(r['active_params']):>8} {r['tokens']:>9.3g}"
             f" {r['tokens_per_active_param']:>7.0f} {r['steps']:>7} {r['train_flops']:>9.3g} {when:>9}"
         )
+    if getattr(ladder, "seeds", 1) > 1:
+        print(f"  each rung runs {ladder.seeds} times (seeds 0-{ladder.seeds - 1}); the target once")

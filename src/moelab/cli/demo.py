@@ -86,7 +86,7 @@ def print_forecast(health: dict) -> None:
     if not fc:
         return
     print(
-        f"\n  the registered forecast ({fc.get('law', 'per-fraction')}) against the target's held-out loss (dropless, macro):"
+        f"\n  the registered forecast ({fc.get('law', 'per-fraction')}) against the target's held-out loss (dropless, {fc.get('metric', 'macro')}):"
     )
     print(f"  {'fraction':>8} {'step':>6} {'forecast':>9} {'band (90%)':>18} {'actual':>8} {'error':>7}")
     for p in fc["points"]:

@@ -29,6 +29,15 @@ class Mixture:
     def phase_at(self, step: int) -> int:
         return int(np.searchsorted(np.asarray(self.phase_steps), step, side="right") - 1)
 
+    def shares(self, steps: int) -> dict[str, float]:
+        """Each domain's share of the rows drawn over a run of ``steps`` (phases by their length): the
+        weights of the held-out loss of the distribution the run trains on (``mix``)."""
+        bounds = [min(b, steps) for b in self.phase_steps] + [steps]
+        length = np.array([bounds[i + 1] - bounds[i] for i in range(len(self.phase_steps))], np.float64)
+        w = (length[:, None] * self.weights).sum(axis=0)
+        w = w / w.sum() if w.sum() > 0 else self.weights[0]
+        return {d: float(x) for d, x in zip(self.domains, w, strict=True)}
+
 
 def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> Mixture:
     """Weights per phase from the config, checked against the store's domains and the epoch cap."""

@@ -120,14 +120,11 @@ def branch_step(name: str, parent, at: int, steps: int, overrides: list[str] = (
 
 
 def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -> tuple[list[Step], object]:
-    """One training step per rung of a ladder plan, and the target's config (None without one)."""
-    from moelab.ladder.plan import load_ladder, rung_config
+    """One training step per rung (and seed) of a ladder plan, and the target's config (None without one)."""
+    from moelab.ladder.plan import load_ladder, rung_config, rung_runs
 
     ladder = load_ladder(ladder_path)
-    rungs = [
-        train_step(f"{prefix}{ladder.name}-d{d}", rung_config(ladder, i), progress=progress)
-        for i, d in enumerate(ladder.widths)
-    ]
+    rungs = [train_step(f"{prefix}{name}", cfg, progress=progress) for name, cfg in rung_runs(ladder)]
     target = rung_config(ladder, len(ladder.widths)) if ladder.target_width else None
     return rungs, target
 
@@ -217,7 +214,8 @@ def _health(cfg: dict, out: Path) -> dict:
     result = {"alerts": sum(f.level == "ALERT" for f in mon.findings), "checks": checks,
               "forecast_versions": [{k: v.get(k) for k in ("version", "hash", "source", "reason", "step")} for v in versions]}  # fmt: skip
     if fc:
-        actual = {r["step"]: r["loss_dropless"]["macro"] for r in recs if r.get("kind") == "eval"}
+        agg = fc.get("metric", "macro")  # what the forecast is of (older forecasts: the macro loss)
+        actual = {r["step"]: r["loss_dropless"][agg] for r in recs if r.get("kind") == "eval"}
         points = [
             {"fraction": f, "step": s, "predicted": p, "low": lo, "high": hi, "actual": actual[s], "error": p / actual[s] - 1}
             for f, s, p, lo, hi in zip(fc["fractions"], fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True)
@@ -229,6 +227,7 @@ def _health(cfg: dict, out: Path) -> dict:
             last = points[-1]
             result["forecast"] = {
                 "law": fc.get("law", "per-fraction"),
+                "metric": agg,
                 "points": points,
                 "final_error_pct": 100 * last["error"],
                 "mean_abs_error_pct": float(100 * np.mean(np.abs(errs))),

@@ -2,6 +2,6 @@
 
 # the laws a forecast can be made by (moelab.ladder.law, moelab.ladder.forecast); here so that the
 # command line can name them without importing the fitting code
-LAWS = ("multi-power", "lr-annealing", "chinchilla")
+LAWS = ("multi-power", "lr-annealing", "chinchilla", "multi-power-peak", "lr-annealing-peak")
 DEFAULT_LAW = "lr-annealing"
 LAW_CHOICES = (*LAWS, "per-fraction")

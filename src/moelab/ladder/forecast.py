@@ -35,6 +35,17 @@ from moelab.train.record import read_jsonl
 from moelab.train.schedule import eval_points
 
 FRACTIONS = [k / 20 for k in range(1, 21)]
+# what is forecast: the held-out loss (dropless) with the domains weighted by their share of the training
+# mixture (`mix`). The macro average weighs a domain of 2.6% of the tokens as much as the rest, and
+# its seed-to-seed spread was most of the noise (benchmarks/results/noise_floor.json)
+AGG = "mix"
+
+
+def held_out(rec: dict, agg: str = AGG, metric: str = "loss_dropless") -> float:
+    """An evaluation record's held-out loss as a forecast reads it (``agg``: mix or macro)."""
+    return rec[metric][agg]
+
+
 LAW_CHOICES = L.LAW_CHOICES
 MIN_FRACTION = 0.1  # a joint law is fitted to evaluations from this fraction of each run on
 LEVEL = 0.9  # the band's nominal coverage
@@ -64,21 +75,27 @@ def _run_config(run_dir: Path) -> Config:
 
 def target_run(cfg: Config, name: str | None = None, steps=None) -> L.Run:
     """The law's view of a run not yet trained: its size, its schedule, and where it will be evaluated."""
+    from moelab.train import optim
+
     a = accounting.count(cfg)
     lr = lr_schedule(cfg)
     at = np.array(sorted(eval_points(cfg, len(lr)) - {0}), float) if steps is None else np.asarray(steps, float)
     return L.Run(name or cfg.name or "target", a.active_params, cfg.train.batch_size * cfg.model.seq_len, lr, at,
-                 None, 3 * a.forward_flops_per_token_without_lm_head)  # fmt: skip
+                 None, 3 * a.forward_flops_per_token_without_lm_head, peak_lr=optim.hyper(cfg).peak_lr)  # fmt: skip
 
 
-def rung_run(run_dir: str | Path, metric: str = "loss_dropless") -> L.Run:
-    """A trained run as the law sees it: its held-out macro loss at every evaluation after step 0."""
+def rung_run(run_dir: str | Path, metric: str = "loss_dropless", agg: str = AGG) -> L.Run:
+    """A trained run as the law sees it: its held-out loss (``agg`` of the domains) at every
+    evaluation after step 0."""
     run_dir = Path(run_dir)
     cfg = _run_config(run_dir)
     points = {}
     for rec in read_jsonl(run_dir / "metrics.jsonl"):
         if rec.get("kind") == "eval" and rec.get("step", 0) > 0 and metric in rec:
-            points[rec["step"]] = rec[metric]["macro"]  # a resumed run's repeat replaces the first
+            if agg not in rec[metric]:
+                raise ForecastError(f"{run_dir}: its evaluations have no {agg!r} held-out loss (an older run); "
+                                    f"re-run it, or forecast the {'macro' if agg != 'macro' else 'mix'} loss")  # fmt: skip
+            points[rec["step"]] = rec[metric][agg]  # a resumed run's repeat replaces the first
     if not points:
         raise ForecastError(f"{run_dir}: no held-out evaluations after step 0")
     steps = np.array(sorted(points), float)
@@ -90,6 +107,10 @@ def rung_run(run_dir: str | Path, metric: str = "loss_dropless") -> L.Run:
         raise ForecastError(f"{run_dir}: a held-out loss is not a finite positive number")
     run = run.with_loss(steps, loss)
     run.dir = str(run_dir)
+    from moelab.train.branch import branch_point
+
+    ev = branch_point(run_dir)
+    run.group = ev["parent"] if ev else str(run_dir.resolve())  # a branch shares its parent's seed
     return run
 
 
@@ -111,7 +132,7 @@ def shared_prefixes_once(runs: list[L.Run]) -> list[L.Run]:
     return out
 
 
-def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bool = False) -> dict:
+def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bool = False, agg: str = AGG) -> dict:
     """A rung's held-out macro loss at each 5% of its run, with its compute (the per-fraction form)."""
     run_dir = Path(run_dir)
     cfg = _run_config(run_dir)
@@ -124,7 +145,7 @@ def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bo
             continue
         k = round(rec["step"] * 20 / steps)
         if abs(rec["step"] - k * steps / 20) <= 0.5 and 1 <= k <= 20:
-            points[k] = rec[metric]["macro"]
+            points[k] = rec[metric][agg]
     if not points:
         raise ForecastError(f"{run_dir}: no held-out evaluations at 5% points of its run")
     return {"dir": str(run_dir), "name": cfg.name or run_dir.name, "steps": steps, "flops": total,
@@ -197,24 +218,45 @@ def fitted(runs: list[L.Run], min_fraction: float = MIN_FRACTION) -> list[L.Run]
     return out
 
 
-def estimate_noise(fit: L.LawFit, runs: list[L.Run]) -> dict:
-    """The residuals' structure (log-loss): each run's offset from the law and the noise about it.
+MIN_DOF = 3  # every variance the band uses is known with at least this many degrees of freedom
 
-    rung: the spread of the offsets, with two of the runs' degrees of freedom spent on the size term
-    (A, alpha); point: the spread about each run's offset; rho: its lag-1 autocorrelation."""
+
+def _lineages(runs: list[L.Run]) -> list[list[int]]:
+    """Indices of the runs of each lineage (a run and the branches that share its seed's offset)."""
+    order: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        order.setdefault(r.lineage, []).append(i)
+    return list(order.values())
+
+
+def estimate_noise(fit: L.LawFit, runs: list[L.Run], floor: dict | None = None) -> dict:
+    """The residuals' structure (log-loss): each lineage's offset from the law (a seed: a run and its
+    branches share one) and the noise about it, point to point.
+
+    rung: the spread of the lineages' offsets, two degrees of freedom spent on the size term (A, alpha);
+    point: the spread about each run's offset; rho: its lag-1 autocorrelation. ``floor`` ({"sd", "dof"}:
+    a run-to-run spread measured apart, a noise floor) is pooled with the offsets' spread."""
     res = [np.log(r.loss) - np.log(np.maximum(fit.predict(r), 1e-9)) for r in runs]
-    means = np.array([x.mean() for x in res])
     within = [x - x.mean() for x in res]
     n = sum(len(x) for x in res)
     point = math.sqrt(sum(float(np.sum(w * w)) for w in within) / max(n - len(res), 1))
     num = sum(float(np.sum(w[1:] * w[:-1])) for w in within if len(w) > 1)
     den = sum(float(np.sum(w * w)) for w in within if len(w) > 1)
     rho = float(np.clip(num / den, 0.0, 0.95)) if den > 0 else 0.0
-    dof = max(len(res) - 2, 1)
     inflate = (1 + rho) / (1 - rho)  # the variance of a mean of autocorrelated points
-    mean_var = float(np.mean([point**2 * inflate / len(x) for x in res]))
-    rung = math.sqrt(max(float(np.sum(means**2)) / dof - mean_var, 1e-8))
-    return {"rung": rung, "point": point, "rho": rho, "dof": dof, "offsets": [float(m) for m in means]}
+    groups = _lineages(runs)
+    means = np.array([np.concatenate([res[i] for i in g]).mean() for g in groups])
+    sizes = [sum(len(res[i]) for i in g) for g in groups]
+    dof = len(groups) - 2
+    mean_var = float(np.mean([point**2 * inflate / k for k in sizes]))
+    var = max(float(np.sum(means**2)) / max(dof, 1) - mean_var, 1e-8)
+    out = {"rung": math.sqrt(var), "point": point, "rho": rho, "dof": float(max(dof, 0)), "lineages": len(groups),
+           "offsets": [float(m) for m in means]}  # fmt: skip
+    if floor:
+        k = float(floor["dof"])
+        pooled = (max(dof, 0) * var + k * float(floor["sd"]) ** 2) / (max(dof, 0) + k)
+        out.update(rung=math.sqrt(pooled), dof=max(dof, 0) + k, floor=dict(floor), ladder_rung=math.sqrt(var))
+    return out
 
 
 def _ar1(rng, n: int, sigma: float, rho: float) -> np.ndarray:
@@ -227,65 +269,148 @@ def _ar1(rng, n: int, sigma: float, rho: float) -> np.ndarray:
 
 
 def draw_ladder(rng, fit: L.LawFit, runs: list[L.Run], noise: dict, rung_sd: float | None = None) -> list[L.Run]:
-    """Synthetic runs: the law's values at each run's points, each run off by an offset of its own
-    (sd ``rung_sd``, the measured one by default) and noisy from point to point."""
+    """Synthetic runs: the law's values at each run's points, each lineage off by an offset of its own
+    (sd ``rung_sd``, the measured one by default) and each run noisy from point to point."""
     sd = noise["rung"] if rung_sd is None else rung_sd
+    offset = {}
     out = []
     for r in runs:
-        dev = rng.normal(0.0, sd) + _ar1(rng, len(r.steps), noise["point"], noise["rho"])
+        if r.lineage not in offset:
+            offset[r.lineage] = rng.normal(0.0, sd)
+        dev = offset[r.lineage] + _ar1(rng, len(r.steps), noise["point"], noise["rho"])
         out.append(r.with_loss(r.steps, fit.predict(r) * np.exp(dev)))
     return out
 
 
 def corrected_noise(fit: L.LawFit, runs: list[L.Run], noise: dict, rng, draws: int = 30) -> dict:
     """The residuals' noise with its bias removed. A law of several parameters absorbs part of
-    every rung's offset and of the noise about it, so the residuals read them low (with four rungs,
+    every lineage's offset and of the noise about it, so the residuals read them low (with four rungs,
     by half or more). Ladders drawn with the estimate and refitted show by how much: each spread is
-    scaled by estimate / (its re-estimate on those ladders), the autocorrelation moved by its shift."""
+    scaled by estimate / (its re-estimate on those ladders), the autocorrelation moved by its shift.
+    A pooled noise floor (``noise["floor"]``) is left as it was measured."""
     seen = []
     for _ in range(draws):
         synth = draw_ladder(rng, fit, runs, noise)
         try:
-            seen.append(estimate_noise(L.fit_law(synth, fit.law, start=fit), synth))
+            seen.append(estimate_noise(L.fit_law(synth, fit.law, start=fit, e_fixed=_fixed_e(fit)), synth))
         except L.LawError:
             continue
     if not seen:
         return dict(noise)
     out = dict(noise)
-    for key in ("rung", "point"):
+    keys = ("point",) if "floor" in noise else ("rung", "point")
+    for key in keys:
         again = math.sqrt(np.mean([x[key] ** 2 for x in seen]))
         out[key] = noise[key] * noise[key] / max(again, 1e-12)
     out["rho"] = float(np.clip(2 * noise["rho"] - np.mean([x["rho"] for x in seen]), 0.0, 0.95))
-    # how well the rung spread is known: the re-estimates' spread, read as a chi-square's degrees of freedom
-    v = np.array([x["rung"] ** 2 for x in seen])
-    if len(v) > 2 and v.var() > 0:
-        out["dof"] = float(np.clip(2 * v.mean() ** 2 / v.var(), 1.0, noise["dof"]))
     out["measured"] = {k: noise[k] for k in ("rung", "point", "rho")}
     return out
 
 
+def _fixed_e(fit: L.LawFit) -> float | None:
+    return fit.linear[0] if "E" in fit.fixed else None
+
+
+def model_error(use: list[L.Run], law: str, noise: dict, target: L.Run, e_fixed: float | None = None) -> dict:
+    """What the law misses beyond noise, measured by leaving each size out: the law fitted to the other
+    sizes forecasts the held-out size's runs (their mean log-error past 20% of each run). The excess of
+    those errors' mean square over what the noise alone gives (the lineage spread, the point noise's
+    share of a run's mean) is the model error's variance, with one degree of freedom per size left
+    out. It is assumed to grow with the distance in log-size: at the target, scaled by its distance
+    from the nearest size fitted over the folds' mean distance (never below 1)."""
+    sizes = sorted({r.n for r in use})
+    folds = []
+    for n in sizes:
+        rest, held = [r for r in use if r.n != n], [r for r in use if r.n == n]
+        try:
+            f = L.fit_law(rest, law, e_fixed=e_fixed)
+        except L.LawError:
+            continue
+        errs, counts = [], []
+        for r in held:
+            late = r.steps > 0.2 * r.total_steps + 1e-9
+            if np.any(late):
+                errs.append(float(np.mean(np.log(f.predict(r)[late] / r.loss[late]))))
+                counts.append(int(late.sum()))
+        if errs:
+            others = [m for m in sizes if m != n]
+            folds.append({"n": float(n), "error": float(np.mean(errs)), "points": counts,
+                          "distance": float(min(abs(math.log(n / m)) for m in others)),
+                          "extrapolation": bool(n > max(others) or n < min(others))})  # fmt: skip
+    inflate = (1 + noise["rho"]) / (1 - noise["rho"])
+    # what noise alone gives a fold's error: its runs' offset and the mean of their late points' noise
+    expected = float(np.mean([noise["rung"] ** 2 + noise["point"] ** 2 * inflate / np.mean(f["points"])
+                              for f in folds])) if folds else 0.0  # fmt: skip
+    if len(folds) < MIN_DOF:
+        return {"sd": 0.0, "dof": float(len(folds)), "folds": folds, "expected_sd": math.sqrt(expected),
+                "note": f"{len(folds)} sizes could be left out; the model error needs {MIN_DOF}"}  # fmt: skip
+    mse = float(np.mean([f["error"] ** 2 for f in folds]))
+    ref = float(np.mean([f["distance"] for f in folds]))
+    dist = float(min(abs(math.log(target.n / m)) for m in sizes))
+    return {"sd": math.sqrt(max(mse - expected, 0.0)), "dof": float(len(folds)), "folds": folds,
+            "rms": math.sqrt(mse), "expected_sd": math.sqrt(expected), "distance_ref": ref, "target_distance": dist,
+            "scale": max(1.0, dist / ref) if ref > 0 else 1.0}  # fmt: skip
+
+
 def joint_band(
-    fit: L.LawFit, runs: list[L.Run], target: L.Run, noise: dict, n_boot: int = 200, level: float = LEVEL, seed: int = 0
+    fit: L.LawFit,
+    runs: list[L.Run],
+    target: L.Run,
+    noise: dict,
+    n_boot: int = 200,
+    level: float = LEVEL,
+    seed: int = 0,
+    model: dict | None = None,
+    params: list | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The band (low, high) for the target's measured loss at its steps: see the module's docstring.
-    ``noise`` is the corrected one (``corrected_noise``)."""
+    ``noise`` is the corrected one (``corrected_noise``); ``model`` the model error (``model_error``),
+    drawn as a Student t with its degrees of freedom; each refit's parameters go to ``params``."""
     rng = np.random.default_rng(seed)
     base = fit.predict(target)
     draws = []
+    dof = max(noise["dof"], 1.0)
+    m_sd = (model or {}).get("sd", 0.0) * (model or {}).get("scale", 1.0)
     for _ in range(n_boot):
-        sd = noise["rung"] * math.sqrt(noise["dof"] / rng.chisquare(noise["dof"]))
+        sd = noise["rung"] * math.sqrt(dof / rng.chisquare(dof))
         synth = draw_ladder(rng, fit, runs, noise, sd)
         try:
-            refit = L.fit_law(synth, fit.law, start=fit)
+            refit = L.fit_law(synth, fit.law, start=fit, e_fixed=_fixed_e(fit))
         except L.LawError:
             continue
         dev = rng.normal(0.0, sd) + _ar1(rng, len(target.steps), noise["point"], noise["rho"])
+        if m_sd > 0:
+            dev = dev + m_sd * rng.standard_t(model["dof"])
         draws.append(refit.predict(target) * np.exp(dev))
+        if params is not None:
+            params.append(refit.params())
     if not draws:
         return base, base
     draws = np.array(draws)
     q = (1 - level) / 2
     return np.quantile(draws, q, axis=0), np.quantile(draws, 1 - q, axis=0)
+
+
+def e_sensitivity(use: list[L.Run], fit: L.LawFit, target: L.Run, step: float = 0.5) -> dict:
+    """How much the forecast's final loss moves when E is held away from its fitted value (by
+    ``step`` nats either way, within [0, the smallest loss)), and how much worse the fit gets: a ladder
+    that cannot tell E moves the forecast while barely changing the fit."""
+    e0 = fit.linear[0]
+    lo_loss = float(min(r.loss.min() for r in use))
+    out = {"E": e0, "final": float(fit.predict(target)[-1]), "objective": fit.objective, "moves": []}
+    for e in (e0 - step, e0 + step):
+        if not 0.0 <= e < lo_loss:
+            continue
+        try:
+            f = L.fit_law(use, fit.law, e_fixed=e)
+        except L.LawError:
+            continue
+        final = float(f.predict(target)[-1])
+        out["moves"].append({"E": e, "final": final, "final_change": final / out["final"] - 1,
+                             "objective_ratio": f.objective / max(fit.objective, 1e-30)})  # fmt: skip
+    if out["moves"]:
+        out["final_change_per_nat"] = float(np.mean([abs(m["final_change"]) / step for m in out["moves"]]))
+    return out
 
 
 def forecast_joint(
@@ -297,26 +422,61 @@ def forecast_joint(
     min_fraction: float = MIN_FRACTION,
     curve_points: int = 100,
     correct: bool = True,
+    e_fixed: float | None = None,
+    floor: dict | None = None,
+    model: bool = True,
+    min_dof: float = MIN_DOF,
 ) -> dict:
     """The target's loss at its evaluation steps (and on a dense grid for plots), with the band.
-    ``correct=False`` draws the band from the residuals' noise as read (too low; for comparison)."""
+
+    ``e_fixed`` holds E; ``floor`` ({"sd", "dof"}) pools a run-to-run spread measured apart with the
+    lineages' own; ``model=False`` leaves out the model error (leave-one-size-out); ``correct=False``
+    draws the band from the residuals' noise as read (too low; for comparison). A band whose spread
+    of runs is known with fewer than ``min_dof`` degrees of freedom is refused (LawError)."""
     use = fitted(rungs, min_fraction)
-    fit = L.fit_law(use, law)
-    noise = estimate_noise(fit, use)
+    fit = L.fit_law(use, law, e_fixed=e_fixed)
+    noise = estimate_noise(fit, use, floor)
+    if noise["dof"] < min_dof:
+        raise L.LawError(
+            f"the run-to-run spread is known with {noise['dof']:g} degrees of freedom (independent runs, that is "
+            f"seeds, minus two); the band needs {min_dof:g}: train a second seed of some rungs, or more sizes"
+        )
     if correct:
         noise = corrected_noise(fit, use, noise, np.random.default_rng(1))
+    merr = model_error(use, law, noise, target, e_fixed) if model else None
     first = float(target.steps.min())  # the law is not drawn before the first evaluation (warm-up)
     grid = np.unique(np.concatenate([np.linspace(first, target.total_steps, curve_points).round(), target.steps]))
-    dense = L.Run(target.name, target.n, target.tokens_per_step, target.lr, grid, None, target.flops_per_token)
-    low, high = joint_band(fit, use, dense, noise, n_boot, level)
+    dense = target.blind(grid)
+    draws: list = []
+    low, high = joint_band(fit, use, dense, noise, n_boot, level, model=merr, params=draws)
     pred = fit.predict(dense)
     at = np.searchsorted(grid, target.steps)
     steps = [int(s) for s in target.steps]
+    q = (1 - level) / 2
+    intervals = {k: {"value": v, "low": float(np.quantile([d[k] for d in draws], q)),
+                     "high": float(np.quantile([d[k] for d in draws], 1 - q))}
+                 for k, v in fit.params().items()} if draws else {}  # fmt: skip
+    warnings = [f"{p} ends on a bound of its range (the ladder does not pin it down)" for p in fit.at_bound]
+    sens = e_sensitivity(use, fit, target) if e_fixed is None else None
+    if sens and "E" in fit.at_bound and sens.get("moves"):
+        warnings.append(f"E: the forecast's final loss moves {sens['final_change_per_nat']:.1%} per nat of E")
+    if merr and merr["dof"] < min_dof:
+        warnings.append(f"model error not measured: {merr['note']}")
     return {
         "law": law,
         "fit": fit.to_dict(),
+        "params": intervals,
+        "e_fixed": e_fixed,
+        "e_sensitivity": sens,
         "noise": noise,
-        "band": {"level": level, "n_boot": n_boot, "method": "parametric bootstrap: rung offsets and AR(1) noise"},
+        "model_error": merr,
+        "warnings": warnings,
+        "band": {
+            "level": level,
+            "n_boot": n_boot,
+            "dof": {"rung": noise["dof"], "model": (merr or {}).get("dof")},
+            "method": "parametric bootstrap: lineage offsets, AR(1) noise, leave-one-size-out model error",
+        },  # fmt: skip
         "min_fraction": min_fraction,
         "fractions": [s / target.total_steps for s in steps],
         "steps": steps,
@@ -338,15 +498,17 @@ def forecast(
     n_boot: int = 200,
     target_name: str | None = None,
     log=None,
+    agg: str = AGG,
 ) -> dict:
-    """forecast.json for ``target_cfg`` from the rungs' run directories, by ``law``; ``log(text)``
-    hears what it is doing once the rungs are read."""
+    """forecast.json for ``target_cfg`` from the rungs' run directories, by ``law``, of the held-out
+    loss ``agg`` (mix or macro); ``e`` holds the law's E at that value; ``log(text)`` hears what it is
+    doing once the rungs are read."""
     if law not in LAW_CHOICES:
         raise ForecastError(f"--law: unknown law {law!r} (known: {', '.join(LAW_CHOICES)})")
     target = target_run(target_cfg, target_name)
     flops = target.flops_per_token * target.tokens_per_step * target.total_steps
     if law == "per-fraction":
-        curves = [rung_curve(d) for d in rung_dirs]
+        curves = [rung_curve(d, agg=agg) for d in rung_dirs]
         if log:
             log(f"fitting {law} at every 5% across {len(curves)} rungs, with a bootstrap band ...")
         fc = forecast_per_fraction(curves, flops, target.total_steps, e=e, n_boot=n_boot)
@@ -354,7 +516,7 @@ def forecast(
             raise ForecastError("--ladder: fewer than two rungs have evaluations at the same fractions")
         fc["law"] = law
     else:
-        runs = shared_prefixes_once([rung_run(d) for d in rung_dirs])
+        runs = shared_prefixes_once([rung_run(d, agg=agg) for d in rung_dirs])
         try:
             L.check(fitted(runs), law)
         except L.LawError as exc:
@@ -364,16 +526,15 @@ def forecast(
                 f"fitting {law} to {sum(len(r.steps) for r in runs)} evaluations of {len(runs)} rungs and drawing its band ..."
             )
         try:
-            fc = forecast_joint(runs, target, law, n_boot=n_boot)
+            fc = forecast_joint(runs, target, law, n_boot=n_boot, e_fixed=e)
         except L.LawError as exc:
             raise ForecastError(f"--ladder: {exc}") from None
-    fc.update(
-        target=target.name, target_flops=flops, target_steps=target.total_steps, rungs=[str(d) for d in rung_dirs], e=e
-    )
+    fc.update(target=target.name, target_flops=flops, target_steps=target.total_steps,
+              rungs=[str(d) for d in rung_dirs], e=e, metric=agg)  # fmt: skip
     return fc
 
 
-def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot: int = 100) -> dict:
+def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot: int = 100, **joint) -> dict:
     """Fit on ``rungs`` only and predict ``target``'s measured curve: the error at each evaluation,
     the mean and largest past 20% of the run, the final one, and how often the band held the truth."""
     if law == "per-fraction":
@@ -387,10 +548,8 @@ def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot
             if s in actual
         ]
     else:
-        blind = L.Run(
-            target.name, target.n, target.tokens_per_step, target.lr, target.steps, None, target.flops_per_token
-        )
-        fc = forecast_joint(rungs, blind, law, n_boot=n_boot)  # the target's losses never reach the fit
+        blind = target.blind()
+        fc = forecast_joint(rungs, blind, law, n_boot=n_boot, **joint)  # the target's losses never reach the fit
         actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
         pts = list(zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True))
     rows = [
@@ -444,10 +603,9 @@ def update_forecast(registered: dict, prefix: L.Run, rungs: list[L.Run], n_boot:
         return None
     use = fitted(rungs, min_fraction) + own
     start = L.LawFit.from_dict(registered["fit"])
-    fit = L.fit_law(use, law, start=start)
+    fit = L.fit_law(use, law, start=start, e_fixed=_fixed_e(start))
     noise = corrected_noise(fit, use, estimate_noise(fit, use), np.random.default_rng(1), draws=15)
-    target = L.Run(prefix.name, prefix.n, prefix.tokens_per_step, prefix.lr, np.asarray(registered["steps"], float),
-                   None, prefix.flops_per_token)  # fmt: skip
+    target = prefix.blind(registered["steps"])
     low, high = joint_band(fit, use, target, noise, n_boot, registered.get("band", {}).get("level", LEVEL))
     pred = fit.predict(target)
     return {
@@ -490,11 +648,9 @@ def calibration(
     for i in range(n_ladders):
         rng = np.random.default_rng([seed, i])
         *synth, truth_t = draw_ladder(rng, truth, [*rungs, target], noise)
-        blind = L.Run(
-            target.name, target.n, target.tokens_per_step, target.lr, target.steps, None, target.flops_per_token
-        )
+        blind = target.blind()
         try:
-            fc = forecast_joint(synth, blind, law, n_boot=n_boot, level=level, correct=correct)
+            fc = forecast_joint(synth, blind, law, n_boot=n_boot, level=level, correct=correct, model=False, min_dof=1)
         except L.LawError:
             continue
         pred, lo, hi = (np.asarray(fc[k]) for k in ("loss", "low", "high"))

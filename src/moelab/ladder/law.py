@@ -48,6 +48,8 @@ class Run:
     flops_per_token: float = 0.0  # training FLOPs per token without the LM head (for the per-fraction form)
     dir: str = ""
     _feat: dict = field(default_factory=dict, repr=False)
+    peak_lr: float = 1.0  # the peak rate in absolute terms (the ``-peak`` laws scale the annealing by it)
+    group: str = ""  # runs of one lineage (a run and its branches share their seed's offset); "" = its own
 
     @property
     def total_steps(self) -> int:
@@ -59,7 +61,19 @@ class Run:
         steps = np.asarray(steps, float)
         same = len(steps) == len(self.steps) and np.array_equal(steps, self.steps)
         return Run(self.name, self.n, self.tokens_per_step, self.lr, steps, np.asarray(loss, float),
-                   self.flops_per_token, self.dir, self._feat if same else {})  # fmt: skip
+                   self.flops_per_token, self.dir, self._feat if same else {}, self.peak_lr, self.group)  # fmt: skip
+
+    def blind(self, steps=None) -> Run:
+        """The same run without its losses (at other ``steps`` if given): a target to forecast."""
+        if steps is None:
+            return Run(self.name, self.n, self.tokens_per_step, self.lr, self.steps, None, self.flops_per_token,
+                       self.dir, self._feat, self.peak_lr, self.group)  # fmt: skip
+        return Run(self.name, self.n, self.tokens_per_step, self.lr, np.asarray(steps, float), None,
+                   self.flops_per_token, self.dir, {}, self.peak_lr, self.group)  # fmt: skip
+
+    @property
+    def lineage(self) -> str:
+        return self.group or self.dir or self.name
 
     def features(self) -> dict:
         """Tokens seen, rate-weighted tokens, and the rate's decreases grouped for the annealing sums."""
@@ -113,6 +127,9 @@ class LawSpec:
     nonlinear: tuple[str, ...]
     bounds: dict  # nonlinear name -> (low, high), in the fitted coordinates
     grid: dict  # nonlinear name -> starting values
+    # the annealing term in absolute rates: a decrease buys in proportion to the run's peak rate (and the
+    # multi-power area since it is counted in absolute rate), instead of the same for every run's peak
+    peak_scaled: bool = False
 
 
 SPECS = {
@@ -128,6 +145,20 @@ SPECS = {
         {"alpha": (0.02, 2.0), "beta": (0.02, 2.0), "log_t": (-9.0, 5.0)},
         {"alpha": (0.15, 0.4, 0.8), "beta": (0.15, 0.4, 0.8), "log_t": (-5.0, -3.0, -1.0)},
     ),
+    "lr-annealing-peak": LawSpec(
+        "lr-annealing-peak",
+        ("alpha", "beta", "log_t"),
+        {"alpha": (0.02, 2.0), "beta": (0.02, 2.0), "log_t": (-9.0, 5.0)},
+        {"alpha": (0.15, 0.4, 0.8), "beta": (0.15, 0.4, 0.8), "log_t": (-5.0, -3.0, -1.0)},
+        peak_scaled=True,
+    ),
+    "multi-power-peak": LawSpec(
+        "multi-power-peak",
+        ("alpha", "beta", "log_t", "gamma"),
+        {"alpha": (0.02, 2.0), "beta": (0.02, 2.0), "log_t": (-9.0, 5.0), "gamma": (0.05, 5.0)},
+        {"alpha": (0.15, 0.4, 0.8), "beta": (0.15, 0.4, 0.8), "log_t": (-4.0, -2.0, 0.0), "gamma": (0.5, 2.0)},
+        peak_scaled=True,
+    ),
     "chinchilla": LawSpec(
         "chinchilla",
         ("alpha", "beta"),
@@ -137,11 +168,13 @@ SPECS = {
 }
 
 
-def _stack(runs: list[Run]) -> dict:
+def _stack(runs: list[Run], lr_ref: float = 0.0) -> dict:
     """Every run's points in one set of arrays (groups padded with zeros), so a law is a few numpy
-    operations over all points at once."""
+    operations over all points at once. With ``lr_ref`` the rate's decreases and areas are in units
+    of that absolute rate (each run's relative schedule times its peak over ``lr_ref``)."""
     feats = [r.features() for r in runs]
     width = max(f["delta"].shape[1] for f in feats) or 1
+    scale = [r.peak_lr / lr_ref if lr_ref else 1.0 for r in runs]
 
     def pad(a):
         return np.pad(a, ((0, 0), (0, width - a.shape[1])))
@@ -150,14 +183,15 @@ def _stack(runs: list[Run]) -> dict:
         "n": np.concatenate([np.full(len(r.steps), float(r.n)) for r in runs]),
         "tokens": np.concatenate([f["tokens"] for f in feats]),
         "d_eff": np.concatenate([f["d_eff"] for f in feats]),
-        "delta": np.concatenate([pad(f["delta"]) for f in feats]),
-        "area_since": np.concatenate([pad(f["area_since"]) for f in feats]),
+        "delta": np.concatenate([pad(f["delta"]) * c for f, c in zip(feats, scale, strict=True)]),
+        "area_since": np.concatenate([pad(f["area_since"]) * c for f, c in zip(feats, scale, strict=True)]),
         "tokens_since": np.concatenate([pad(f["tokens_since"]) for f in feats]),
     }
 
 
 def _basis(law: str, nl: dict, st: dict, n_ref: float, d_ref: float) -> np.ndarray:
     """[points, linear terms]: the law is basis @ (E, A, B[, K]) for fixed nonlinear parameters."""
+    law = law.removesuffix("-peak")
     cols = [np.ones(len(st["n"])), (st["n"] / n_ref) ** -nl["alpha"]]
     if law == "chinchilla":
         cols.append((st["tokens"] / d_ref) ** -nl["beta"])
@@ -174,6 +208,7 @@ def _basis(law: str, nl: dict, st: dict, n_ref: float, d_ref: float) -> np.ndarr
 
 def _jacobian(law: str, lin: np.ndarray, nl: dict, st: dict, n_ref: float, d_ref: float) -> np.ndarray:
     """[points, parameters]: d prediction / d (E, log A, log B[, log K], nonlinear ones)."""
+    law = law.removesuffix("-peak")
     n = st["n"] / n_ref
     d = (st["tokens"] if law == "chinchilla" else st["d_eff"]) / d_ref
     size, data = lin[1] * n ** -nl["alpha"], lin[2] * d ** -nl["beta"]
@@ -209,9 +244,13 @@ class LawFit:
     n_ref: float
     d_ref: float
     objective: float = 0.0
+    lr_ref: float = 0.0  # the absolute rate the ``-peak`` laws' annealing is counted in (0: relative)
+    at_bound: tuple[str, ...] = ()  # parameters the fit left on a bound of their range
+    fixed: tuple[str, ...] = ()  # parameters held, not fitted ("E")
 
     def predict(self, run: Run) -> np.ndarray:
-        return _basis(self.law, self.nonlinear, _stack([run]), self.n_ref, self.d_ref) @ np.asarray(self.linear)
+        st = _stack([run], self.lr_ref)
+        return _basis(self.law, self.nonlinear, st, self.n_ref, self.d_ref) @ np.asarray(self.linear)
 
     def params(self) -> dict:
         """The parameters in the law's own units (N in parameters, D and T in tokens)."""
@@ -228,13 +267,14 @@ class LawFit:
 
     def to_dict(self) -> dict:
         return {"law": self.law, "linear": list(self.linear), "nonlinear": dict(self.nonlinear),
-                "n_ref": self.n_ref, "d_ref": self.d_ref, "objective": self.objective, "params": self.params()}  # fmt: skip
+                "n_ref": self.n_ref, "d_ref": self.d_ref, "lr_ref": self.lr_ref, "objective": self.objective,
+                "params": self.params(), "at_bound": list(self.at_bound), "fixed": list(self.fixed)}  # fmt: skip
 
     @staticmethod
     def from_dict(d: dict) -> LawFit:
-        return LawFit(
-            d["law"], tuple(d["linear"]), dict(d["nonlinear"]), d["n_ref"], d["d_ref"], d.get("objective", 0.0)
-        )
+        return LawFit(d["law"], tuple(d["linear"]), dict(d["nonlinear"]), d["n_ref"], d["d_ref"],
+                      d.get("objective", 0.0), d.get("lr_ref", 0.0), tuple(d.get("at_bound", ())),
+                      tuple(d.get("fixed", ())))  # fmt: skip
 
 
 def _huber(r: np.ndarray, delta: float) -> float:
@@ -256,7 +296,7 @@ def check(runs: list[Run], law: str) -> list[Run]:
     if len({r.n for r in runs}) < 2:
         raise LawError("a joint fit needs evaluated runs of at least two sizes")
     n_points = sum(len(r.steps) for r in runs)
-    n_params = 3 + (law != "chinchilla") + len(SPECS[law].nonlinear)
+    n_params = 3 + (law.removesuffix("-peak") != "chinchilla") + len(SPECS[law].nonlinear)
     if n_points < 2 * n_params:
         raise LawError(f"{n_points} evaluations for a law of {n_params} parameters; evaluate the rungs more often")
     return runs
@@ -268,29 +308,44 @@ def fit_law(
     delta: float = HUBER_DELTA,
     start: LawFit | None = None,
     weights: list[np.ndarray] | None = None,
+    e_fixed: float | None = None,
 ) -> LawFit:
     """One law through every evaluation of every run given (each needs ``loss``).
 
     ``start``: a previous fit to start from alone (a bootstrap refit), instead of the starts found
-    by variable projection. ``weights``: per run, a weight per point (a bootstrap may drop points)."""
+    by variable projection. ``weights``: per run, a weight per point (a bootstrap may drop points).
+    ``e_fixed``: E held at this value (Marin fixes it; the data of a ladder may not tell it).
+    The fit names every parameter it left on a bound of its range (``at_bound``)."""
     runs = check(runs, law)
     spec = SPECS[law]
     n_ref, d_ref = (start.n_ref, start.d_ref) if start else _refs(runs)
+    if start is not None:
+        lr_ref = start.lr_ref
+    else:
+        lr_ref = float(np.exp(np.mean([np.log(r.peak_lr) for r in runs]))) if spec.peak_scaled else 0.0
     loss = np.concatenate([r.loss for r in runs])
     if np.any(~np.isfinite(loss)) or np.any(loss <= 0):
         raise LawError("held-out losses must be finite and positive")
     log_l = np.log(loss)
     w = np.sqrt(np.concatenate(weights)) if weights is not None else np.ones_like(loss)
-    n_lin = 3 + (law != "chinchilla")
+    n_lin = 3 + (law.removesuffix("-peak") != "chinchilla")
     e_hi = max(0.999 * float(loss.min()), 2e-3)
+    if e_fixed is not None and not 0.0 <= e_fixed < float(loss.min()):
+        raise LawError(f"E fixed at {e_fixed:g} must lie in [0, {float(loss.min()):.4g}), below every loss")
 
-    st = _stack(runs)
+    st = _stack(runs, lr_ref)
 
     def design(nl: dict) -> np.ndarray:
         return _basis(law, nl, st, n_ref, d_ref)
 
-    # parameters for the optimiser: E, log A, log B[, log K], then the nonlinear ones
+    # parameters for the optimiser: E (unless fixed), log A, log B[, log K], then the nonlinear ones
+    free = slice(1, None) if e_fixed is not None else slice(None)
+
+    def full(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([[e_fixed], x]) if e_fixed is not None else x
+
     def unpack(x: np.ndarray) -> tuple[np.ndarray, dict]:
+        x = full(x)
         lin = np.concatenate([[x[0]], np.exp(x[1:n_lin])])
         return lin, dict(zip(spec.nonlinear, x[n_lin:], strict=True))
 
@@ -302,15 +357,15 @@ def fit_law(
     def jac(x: np.ndarray) -> np.ndarray:
         lin, nl = unpack(x)
         pred = np.maximum(design(nl) @ lin, 1e-9)
-        return (w / pred)[:, None] * _jacobian(law, lin, nl, st, n_ref, d_ref)
+        return ((w / pred)[:, None] * _jacobian(law, lin, nl, st, n_ref, d_ref))[:, free]
 
-    lo = [1e-3] + [-30.0] * (n_lin - 1) + [spec.bounds[k][0] for k in spec.nonlinear]
-    hi = [e_hi] + [30.0] * (n_lin - 1) + [spec.bounds[k][1] for k in spec.nonlinear]
+    lo = np.array([1e-3] + [-30.0] * (n_lin - 1) + [spec.bounds[k][0] for k in spec.nonlinear])
+    hi = np.array([e_hi] + [30.0] * (n_lin - 1) + [spec.bounds[k][1] for k in spec.nonlinear])
 
     def pack(lin: np.ndarray, nl: dict) -> np.ndarray:
         lin = np.maximum(lin, 1e-12)
         x = np.concatenate([[min(max(lin[0], lo[0]), hi[0])], np.log(lin[1:]), [nl[k] for k in spec.nonlinear]])
-        return np.clip(x, np.array(lo) + 1e-9, np.array(hi) - 1e-9)
+        return np.clip(x, lo + 1e-9, hi - 1e-9)[free]
 
     if start is not None:
         starts = [pack(np.asarray(start.linear), start.nonlinear)]
@@ -320,9 +375,13 @@ def fit_law(
         for values in _product([spec.grid[k] for k in keys]):
             nl = dict(zip(keys, values, strict=True))
             m = design(nl)
-            lin, _ = nnls(m * w[:, None] / loss[:, None], w)  # least squares on relative error
-            if lin[0] > e_hi:
-                continue
+            if e_fixed is not None:  # the rest of the loss after E, in the same relative terms
+                rest, _ = nnls(m[:, 1:] * w[:, None] / loss[:, None], w * (1 - e_fixed / loss))
+                lin = np.concatenate([[e_fixed], rest])
+            else:
+                lin, _ = nnls(m * w[:, None] / loss[:, None], w)  # least squares on relative error
+                if lin[0] > e_hi:
+                    continue
             x = pack(lin, nl)
             scored.append((float(np.sum(residuals(x) ** 2)), x))
         scored.sort(key=lambda s: s[0])
@@ -331,13 +390,17 @@ def fit_law(
             raise LawError("no starting point keeps E below the smallest loss; are the losses sensible?")
     best = None
     for x0 in starts:
-        res = least_squares(residuals, x0, jac=jac, bounds=(lo, hi), loss="huber", f_scale=delta, x_scale="jac",
-                            max_nfev=400 if start is None else 150, xtol=1e-10, ftol=1e-10)  # fmt: skip
+        res = least_squares(residuals, x0, jac=jac, bounds=(lo[free], hi[free]), loss="huber", f_scale=delta,
+                            x_scale="jac", max_nfev=400 if start is None else 150, xtol=1e-10, ftol=1e-10)  # fmt: skip
         obj = _huber(res.fun, delta)
         if best is None or obj < best[0]:
             best = (obj, res.x)
     lin, nl = unpack(best[1])
-    return LawFit(law, tuple(float(v) for v in lin), {k: float(v) for k, v in nl.items()}, n_ref, d_ref, best[0])
+    names = ["E", "A", "B", "K"][:n_lin] + ["T" if k == "log_t" else k for k in spec.nonlinear]
+    x, tol = full(best[1]), 1e-4 * (hi - lo)
+    edge = [n for i, n in enumerate(names) if (x[i] - lo[i] < tol[i] or hi[i] - x[i] < tol[i]) and not (i == 0 and e_fixed is not None)]  # fmt: skip
+    return LawFit(law, tuple(float(v) for v in lin), {k: float(v) for k, v in nl.items()}, n_ref, d_ref, best[0],
+                  lr_ref, tuple(edge), ("E",) if e_fixed is not None else ())  # fmt: skip
 
 
 def _product(lists):

@@ -16,6 +16,8 @@ active parameter (or one compute budget each). `moelab ladder plan LADDER.yaml` 
     tokens_per_active_param: 791  # or budget_flops: training FLOPs per rung
     target_width: 96              # optional: the run the ladder forecasts, by the same rules
                                   # (layers and batch_size lists may give it one more entry)
+    seeds: 2                      # runs per rung, seeds 0, 1, ...: the band needs the spread between
+                                  # runs known with 3 degrees of freedom (independent runs minus 2)
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from moelab import accounting
 from moelab.config import Config, ConfigError, load_config
 
 FIELDS = ("recipe", "overrides", "widths", "head_dim", "layers", "kv_local_divisor", "kv_global_divisor",
-          "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name", "target_width")  # fmt: skip
+          "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name", "target_width",
+          "seeds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Ladder:
     overrides: tuple[str, ...] = ()
     name: str = "ladder"
     target_width: int = 0  # 0 = none: the target is given elsewhere (a preset or config)
+    seeds: int = 1  # runs per rung (train.seed 0, 1, ...); the target runs once
 
     def all_widths(self) -> tuple[int, ...]:
         """The rungs' widths, then the target's when the ladder names one."""
@@ -75,7 +79,8 @@ def load_ladder(path: str | Path) -> Ladder:
         raise ConfigError(errors)
     for key, kind in (("widths", int), ("head_dim", int), ("layers", float), ("batch_size", int),
                       ("kv_local_divisor", int), ("kv_global_divisor", int), ("expert_ratio", float),
-                      ("tokens_per_active_param", float), ("budget_flops", float), ("target_width", int)):  # fmt: skip
+                      ("tokens_per_active_param", float), ("budget_flops", float), ("target_width", int),
+                      ("seeds", int)):  # fmt: skip
         value = data.get(key)
         values = value if isinstance(value, list) else [value]
         if key == "widths" and not isinstance(value, list):
@@ -99,7 +104,10 @@ def load_ladder(path: str | Path) -> Ladder:
         tokens_per_active_param=float(data.get("tokens_per_active_param", 0)),
         budget_flops=float(data.get("budget_flops", 0)), overrides=tuple(data.get("overrides", []) or ()),
         name=str(data.get("name", path.stem)), target_width=int(data.get("target_width", 0) or 0),
+        seeds=int(data.get("seeds", 1)),
     )  # fmt: skip
+    if ladder.seeds < 1:
+        errors.append(f"{path}: seeds: runs per rung must be >= 1, got {ladder.seeds}")
     for key, value in (("layers", ladder.layers), ("batch_size", ladder.batch_size)):
         allowed = {1, len(widths), len(widths) + 1} if ladder.target_width else {1, len(widths)}
         if isinstance(value, tuple) and len(value) not in allowed:
@@ -149,6 +157,17 @@ def rung_config(ladder: Ladder, i: int, steps: int | None = None) -> Config:
             tokens = ladder.budget_flops / (3 * a.forward_flops_per_token)
         steps = max(1, math.ceil(tokens / tokens_per_step))
     return dataclasses.replace(load_config(cfg, [f"train.steps={steps}"]), name=f"{ladder.name}-d{d}")
+
+
+def rung_runs(ladder: Ladder) -> list[tuple[str, Config]]:
+    """Every rung run: (name, config) per width and seed (``-sK`` after the first seed's name)."""
+    out = []
+    for i, d in enumerate(ladder.widths):
+        cfg = rung_config(ladder, i)
+        for k in range(ladder.seeds):
+            seeded = cfg if k == 0 else load_config(cfg, [f"train.seed={cfg.train.seed + k}"])
+            out.append((f"{ladder.name}-d{d}" + (f"-s{k}" if k else ""), dataclasses.replace(seeded, name=cfg.name)))
+    return out
 
 
 def plan(ladder: Ladder, flops_per_s: float | None = None) -> list[dict]:

@@ -126,7 +126,8 @@ def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int, reason: st
         return {"status": "none", "note": "the run has no forecast.json and no --ladder was given"}
     law = (old or {}).get("law", "per-fraction" if old else DEFAULT_LAW)  # a forecast without a law is Marin's form
     try:
-        fc = forecast(rungs, cfg, law=law, e=(old or {}).get("e"), target_name=(old or {}).get("target", cfg.name))
+        fc = forecast(rungs, cfg, law=law, e=(old or {}).get("e"), target_name=(old or {}).get("target", cfg.name),
+                      agg=(old or {}).get("metric", "macro" if old else "mix"))  # fmt: skip
     except ForecastError as exc:
         raise ReplanError(f"--ladder: {exc}; pass the rungs' run directories with --ladder") from None
     fc.update(replan=n)

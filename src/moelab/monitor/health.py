@@ -334,7 +334,7 @@ class HealthMonitor:
             fc = self.forecast
             i = int(np.argmin(np.abs(np.asarray(fc["steps"]) - rec["step"])))
             if abs(fc["steps"][i] - rec["step"]) <= max(1, 0.01 * fc["steps"][-1]):
-                actual, lo, hi = rec["loss_dropless"]["macro"], fc["low"][i], fc["high"][i]
+                actual, lo, hi = rec["loss_dropless"][fc.get("metric", "macro")], fc["low"][i], fc["high"][i]
                 width = max(hi - lo, 1e-3 * fc["loss"][i])
                 score = max(actual - hi, lo - actual) / width
                 level = "ALERT" if score > 1 else "WATCH" if score > 0 else "OK"

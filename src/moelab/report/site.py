@@ -93,19 +93,20 @@ def forecast_figure(run_dir: Path):
         return None
     steps = fc["steps"][-1] / fc["fractions"][-1]
     law = fc.get("law", "per-fraction")
+    agg = fc.get("metric", "macro")  # what the forecast is of (older forecasts: the macro loss)
     fig, ax = _fig(
         f"Forecast of {fc.get('target', run_dir.name)} ({law}) against its held-out loss",
         xlabel="fraction of the run",
-        ylabel="held-out loss, dropless, macro (nats / token)",
+        ylabel=f"held-out loss, dropless, {agg} (nats / token)",
     )
-    seen = [r["loss_dropless"]["macro"] for r in ev]
+    seen = [r["loss_dropless"][agg] for r in ev]
     for rung in fc.get("rungs", []):
         recs = [r for r in read_jsonl(Path(rung) / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
         cfg = Path(rung) / "config.json"
         if recs and cfg.exists():
             n = json.loads(cfg.read_text())["config"]["train"]["steps"]
-            ax.plot([r["step"] / n for r in recs], [r["loss_dropless"]["macro"] for r in recs], color="0.75", lw=1)
-            seen += [r["loss_dropless"]["macro"] for r in recs]
+            ax.plot([r["step"] / n for r in recs], [r["loss_dropless"].get(agg) for r in recs], color="0.75", lw=1)
+            seen += [r["loss_dropless"][agg] for r in recs if agg in r["loss_dropless"]]
     ax.plot([], [], color="0.75", lw=1, label="ladder rungs")
     curve = fc.get("curve") or {"steps": fc["steps"], "loss": fc["loss"], "low": fc["low"], "high": fc["high"]}
     x = [s / steps for s in curve["steps"]]
@@ -130,7 +131,7 @@ def forecast_figure(run_dir: Path):
         ax.plot([s / steps for s in u["steps"]], u["loss"], color="C2", ls=":", label=f"updated at step {u['at_step']}")
     ax.plot(
         [r["step"] / steps for r in ev],
-        [r["loss_dropless"]["macro"] for r in ev],
+        [r["loss_dropless"][agg] for r in ev],
         color="C3",
         marker=".",
         label="actual",

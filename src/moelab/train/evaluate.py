@@ -54,12 +54,20 @@ def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int) -> dict[str,
     return sets
 
 
+def _no_cap(cfg: Config) -> Config:
+    """The config with its epoch cap off: the evaluation only reads the mixture's weights."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, epoch_cap=float("inf")))
+
+
 class Evaluator:
     """Held-out losses of a model. With ``mesh`` the windows are split over its devices like a
     training batch and the model runs as it trains there (call it with that mesh active: the
     expert-parallel transports, FSDP gathers), never gathering every expert onto every device."""
 
     def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
+        from moelab.data.mixture import build_mixture
         from moelab.train.step import make_eval_step
 
         self.cfg, self.mesh = cfg, mesh
@@ -68,6 +76,8 @@ class Evaluator:
         # as trained (the training dispatch, with its drops) and dropless
         self.dispatches = {"_dropless": "dropless"} if dropless_only else {"": m.dispatch, "_dropless": "dropless"}
         b = cfg.train.batch_size
+        # `mix`: the domains weighted by their share of the training rows, the loss of what the run trains on
+        self.shares = build_mixture(_no_cap(cfg), store).shares(cfg.train.steps)
         self.data = {}
         for domain in store.domains:
             at = offset.get(domain, 0) if isinstance(offset, dict) else offset
@@ -103,6 +113,8 @@ class Evaluator:
                 bpbs[domain] = total / math.log(2) / max(n_bytes, 1.0)
             losses["macro"] = float(np.mean([losses[d] for d in self.data]))
             bpbs["macro"] = float(np.mean([bpbs[d] for d in self.data]))
+            losses["mix"] = float(sum(self.shares[d] * losses[d] for d in self.data))
+            bpbs["mix"] = float(sum(self.shares[d] * bpbs[d] for d in self.data))
             out[f"loss{suffix}"] = losses
             out[f"bpb{suffix}"] = bpbs
         return out

@@ -129,9 +129,10 @@ class ForecastUpdates:
         from moelab.ladder.forecast import ForecastError, rung_run, update_forecast
 
         try:
+            agg = self.forecast.get("metric", "macro")  # what the registered forecast is of
             if self.rungs is None:
-                self.rungs = [rung_run(d) for d in self.forecast["rungs"]]
-            upd = update_forecast(self.forecast, rung_run(self.run.path), self.rungs)
+                self.rungs = [rung_run(d, agg=agg) for d in self.forecast["rungs"]]
+            upd = update_forecast(self.forecast, rung_run(self.run.path, agg=agg), self.rungs)
         except (ForecastError, ValueError, OSError) as exc:  # the rungs moved away: say so once, go on
             self.on = False
             self.run.event("forecast_update_off", step=step, why=str(exc))
