@@ -1,35 +1,32 @@
-"""How well does the ladder forecast a run it never saw? Two corpora, every law, calibrated bands.
+"""How well does the ladder forecast runs it never saw, and does its band mean what it says?
 
-The demo's ladder (ladders/demo.yaml: four rungs, widths 24-48, and a width-104 target with 12.8x
-the largest rung's training FLOPs) is trained on two real corpora that every machine like ours has:
-the standard library (`stdlib`) and the compiler's C and C++ headers (`cheaders`). The recipe and
-the laws were fixed before either was run (benchmarks/results/forecast_prediction.md). Then:
+Issue 24. The demo's ladder (ladders/demo.yaml: widths 24-48, two seeds each, and a width-104 target
+with 12.8x the largest rung's training FLOPs) is trained on each corpus named, the target with three
+seeds. The forecast is of the held-out loss weighted by the training mixture (`mix`, dropless).
+Then, per corpus:
 
-1. backtests: each law fitted on the four rungs only predicts the target's whole held-out curve:
-   error at every 5%, mean and largest past 20% of the run, final error, and the band's coverage;
-2. a schedule the rungs never ran: the target's width trained with WSD (stable, then a linear decay
-   over the last 20%) is forecast from the linear-decay rungs;
-3. the evaluation's own noise: the target's last checkpoint on 8 disjoint sets of held-out windows,
-   alone and paired with the largest rung's (the part that does not cancel between runs);
-4. calibration: 200 synthetic ladders per corpus, drawn from the default law fitted to the corpus's
-   five real runs, with the offsets and noise measured from them (the point noise never below the
-   paired eval noise), each forecast as a real ladder is; the nominal 90% band's coverage.
+1. backtests: each law, fitted on the eight rung runs only, forecasts the target's whole curve; the
+   error against the target's seed 0 and against the mean of its seeds, at every 5% (mean and largest
+   past 20% of the run, the final), the band's width and whether it holds the curve. Marin's method as
+   Marin runs it (per fraction, E held at 1.5) and per fraction with E fitted, side by side;
+2. real forecasts for the band's coverage: each size left out in turn and forecast from the others
+   (both of its seeds are targets), and the target's seeds forecast from the rungs; each forecast's
+   final point inside its 90% band or not, and every point past 20%.
 
-Writes benchmarks/results/forecast.json and the plots docs/forecast_{stdlib,cheaders,calibration}.svg.
-Trained runs go to runs/bench/forecast/ and are reused when complete. On 2 cores: about 9 minutes per
-corpus and 5 for the WSD run when fresh, the backtests about 5 minutes, the calibration about 13; about
-40 minutes in all from nothing, 18 with the runs trained.
+Writes benchmarks/results/forecast.json and docs/forecast_{CORPUS}.svg, docs/forecast_coverage.svg.
+Trained runs go to runs/bench/ladder/CORPUS/ (d24, d24-s1, ..., d104, d104-s1, d104-s2) and are
+reused when complete. The prediction is committed before the runs it predicts:
+benchmarks/results/forecast_prediction.md. On 2 cores: about 25 minutes of training per corpus, 10
+of forecasts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import time
-from concurrent.futures import ProcessPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -39,44 +36,113 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 CORPORA = ("stdlib", "cheaders")
+MARIN_E = 1.5  # Marin fixes E at 1.5 in its per-fraction fits
 
 
-def configs(ladder_path: Path, corpus: str) -> list:
+def jobs(ladder_path: Path, corpus: str, target_seeds: int) -> list[tuple[str, object, str]]:
+    """(directory name, config, role) of every run: the rungs' seeds and the target's."""
     from moelab.config import load_config
-    from moelab.ladder.plan import load_ladder, rung_config
+    from moelab.ladder.plan import load_ladder, rung_config, rung_runs
 
     lad = load_ladder(ladder_path)
-    return [load_config(rung_config(lad, i), [f"data.sources=[{corpus}]"]) for i in range(len(lad.all_widths()))]
+    data = [f"data.sources=[{corpus}]"]
+    out = [(name.removeprefix(f"{lad.name}-"), load_config(cfg, data), "rung") for name, cfg in rung_runs(lad)]
+    target = load_config(rung_config(lad, len(lad.widths)), data)
+    for k in range(target_seeds):
+        cfg = target if k == 0 else load_config(target, [f"train.seed={target.train.seed + k}"])
+        out.append((f"d{lad.target_width}" + (f"-s{k}" if k else ""), cfg, "target"))
+    return out
 
 
-def train_all(runs: list[tuple[str, object]], root: Path) -> None:
+def train_all(runs, root: Path) -> None:
     from moelab.train.loop import train
 
-    for name, cfg in runs:
+    for i, (name, cfg, _) in enumerate(runs):
         out = root / name
         if (out / "summary.json").exists():
-            print(f"  {name}: trained already ({out})", flush=True)
+            print(f"  [{i + 1}/{len(runs)}] {name}: trained already ({out})", flush=True)
             continue
         t0 = time.time()
-        print(f"  training {name} ({cfg.train.steps} steps) into {out}", flush=True)
-        train(cfg, out, resume=True, progress=True)
+        print(f"  [{i + 1}/{len(runs)}] training {name} ({cfg.train.steps} steps) into {out}", flush=True)
+        train(cfg, out, resume=True, progress=False)
         print(f"  {name}: {time.time() - t0:.0f} s", flush=True)
 
 
-def _calibrate(args) -> dict:
-    from moelab.ladder.forecast import calibration
-
-    truth, rungs, target, noise, n, seed, label = args
-    t0 = time.time()
-
-    def progress(i: int) -> None:
-        if (i + 1) % 10 == 0:
-            print(f"  {label}: {i + 1} of {n} ladders, {time.time() - t0:.0f} s", flush=True)
-
-    return calibration(truth, rungs, target, noise, n_ladders=n, n_boot=50, seed=seed, progress=progress)
+def mean_run(runs):
+    """The target's seeds as one curve: the geometric mean of their losses at each evaluation."""
+    base = runs[0]
+    loss = np.exp(np.mean([np.log(r.loss) for r in runs], axis=0))
+    out = base.with_loss(base.steps, loss)
+    out.name = f"{base.name} (mean of {len(runs)} seeds)"
+    return out
 
 
-def figure(corpus: str, rungs, target, fc: dict, path: Path) -> None:
+def per_fraction(rungs, target, e):
+    """Marin's form (moelab.ladder.forecast.backtest with law per-fraction), E held or fitted."""
+    from moelab.ladder.forecast import FRACTIONS, _curve_of, forecast_per_fraction, summarize
+
+    curves = [_curve_of(r) for r in rungs]
+    # seeds of one size: Marin's fit sees one point per size and fraction, their mean
+    by_n: dict = {}
+    for r, c in zip(rungs, curves, strict=True):
+        by_n.setdefault(r.n, []).append(c)
+    merged = []
+    for group in by_n.values():
+        fr = {f: float(np.exp(np.mean([np.log(c["fractions"][f]) for c in group]))) for f in FRACTIONS
+              if all(f in c["fractions"] for c in group)}  # fmt: skip
+        merged.append({**group[0], "fractions": fr})
+    tc = _curve_of(target)
+    fc = forecast_per_fraction(merged, tc["flops"], target.total_steps, e=e, n_boot=100)
+    actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
+    rows = [{"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
+             "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
+            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True) if s in actual]  # fmt: skip
+    return {"law": "per-fraction", "e": e, "curve": rows, **summarize(rows)}
+
+
+def against(fc: dict, target) -> dict:
+    """A joint forecast's curve against a measured run: errors, band, coverage."""
+    from moelab.ladder.forecast import summarize
+
+    actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
+    rows = [{"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
+             "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
+            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True) if s in actual]  # fmt: skip
+    out = {"curve": rows, **summarize(rows)}
+    last = rows[-1]
+    out["final_band_pct"] = [100 * (last["low"] / last["predicted"] - 1), 100 * (last["high"] / last["predicted"] - 1)]
+    out["late_inside"] = float(np.mean([r["inside"] for r in rows if r["fraction"] > 0.2 + 1e-9]))
+    return out
+
+
+def coverage(rungs, targets, law: str, n_boot: int, log) -> list[dict]:
+    """Real forecasts: each size left out and forecast from the other sizes (every seed of it a
+    target), and the target's seeds forecast from every rung."""
+    from moelab.ladder.forecast import forecast_joint
+    from moelab.ladder.law import LawError
+
+    out = []
+    cases = [(f"leave out n={n:.4g}", [r for r in rungs if r.n != n], [r for r in rungs if r.n == n])
+             for n in sorted({r.n for r in rungs})]  # fmt: skip
+    cases.append(("the target", rungs, targets))
+    for label, fit_on, held in cases:
+        try:
+            fc = forecast_joint(fit_on, held[0].blind(), law, n_boot=n_boot)
+        except LawError as exc:
+            log(f"  {label}: no forecast ({exc})")
+            continue
+        for r in held:
+            a = against(fc, r)
+            out.append({"case": label, "run": r.name, "dir": r.dir, "n": r.n, "final_error": a["final_error"],
+                        "final_inside": a["curve"][-1]["inside"], "late_inside": a["late_inside"],
+                        "final_band_pct": a["final_band_pct"], "extrapolation": bool(r.n > max(x.n for x in fit_on))})  # fmt: skip
+        errs = ", ".join(f"{x['final_error']:+.2%}" for x in out[-len(held) :])
+        band = out[-1]["final_band_pct"]
+        log(f"  {label}: final errors {errs}, band {band[0]:+.1f}% / {band[1]:+.1f}%")
+    return out
+
+
+def figure(corpus: str, rungs, targets, fc: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,45 +151,41 @@ def figure(corpus: str, rungs, target, fc: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rungs:
         ax.plot(r.steps / r.total_steps, r.loss, color="0.7", lw=1)
-    ax.plot([], [], color="0.7", lw=1, label="rungs (d24-d48)")
+    ax.plot([], [], color="0.7", lw=1, label=f"rungs ({len(rungs)} runs)")
     c = fc["curve"]
-    x = np.array(c["steps"]) / target.total_steps
+    x = np.array(c["steps"]) / targets[0].total_steps
     ax.fill_between(x, c["low"], c["high"], color="C0", alpha=0.25, label=f"band ({fc['band']['level']:.0%})")
     ax.plot(x, c["loss"], color="C0", ls="--", label=f"forecast ({fc['law']})")
-    ax.plot(target.steps / target.total_steps, target.loss, color="C3", marker=".", label="target d104, actual")
+    for k, t in enumerate(targets):
+        ax.plot(t.steps / t.total_steps, t.loss, color="C3", marker=".", lw=0.8, alpha=1.0 if k == 0 else 0.5,
+                label="target d104, seeds" if k == 0 else None)  # fmt: skip
     ax.set_xlabel("fraction of the run")
-    ax.set_ylabel("held-out loss, dropless, macro (nats / token)")
-    ax.set_title(f"{corpus}: the target's curve forecast from four rungs (12.8x compute)")
+    ax.set_ylabel("held-out loss, dropless, mix (nats / token)")
+    ax.set_title(f"{corpus}: the target's curve forecast from the rungs (12.8x compute)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
-def calibration_figure(cal: dict, path: Path) -> None:
+def coverage_figure(cov: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, (corpus, c) in enumerate(cal.items()):
-        fr = [float(f) for f in c["coverage_by_fraction"]]
-        axes[0].plot(fr, list(c["coverage_by_fraction"].values()), marker=".", color=f"C{i}",
-                     label=f"{corpus}: {c['coverage']:.1%} of all points")  # fmt: skip
-        axes[1].hist(c["coverage_per_ladder"], bins=np.linspace(0, 1, 11), alpha=0.5, color=f"C{i}", label=corpus)
-    axes[0].axhspan(0.85, 0.95, color="0.85", label="85-95%")
-    axes[0].axhline(0.9, color="k", lw=0.8)
-    axes[0].set_ylim(0.5, 1.0)
-    axes[0].set_xlabel("fraction of the target's run")
-    axes[0].set_ylabel("coverage of the nominal 90% band")
-    axes[0].set_title(f"{next(iter(cal.values()))['ladders']} synthetic ladders per corpus")
-    axes[0].legend(fontsize=8)
-    axes[1].set_xlabel("share of a ladder's target points inside its band")
-    axes[1].set_ylabel("ladders")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, (corpus, rows) in enumerate(cov.items()):
+        for j, r in enumerate(rows):
+            lo, hi = r["final_band_pct"]
+            y = i * (len(rows) + 2) + j
+            ax.plot([lo, hi], [y, y], color=f"C{i}", lw=3, alpha=0.4)
+            # the measured final loss relative to the forecast, on the band's scale
+            ax.plot(-100 * r["final_error"] / (1 + r["final_error"]), y, "k|" if r["final_inside"] else "rx")
+        ax.text(ax.get_xlim()[0] if ax.get_xlim() else 0, i * (len(rows) + 2), corpus, fontsize=8, va="bottom")
+    ax.set_yticks([])
+    ax.axvline(0, color="k", lw=0.5)
+    ax.set_xlabel("final loss relative to the forecast (%): band (90%) and measured (| inside, x outside)")
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
@@ -131,133 +193,95 @@ def calibration_figure(cal: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ladder", default=str(ROOT / "ladders" / "demo.yaml"))
-    ap.add_argument("--out", default="runs/bench/forecast")
+    ap.add_argument("--out", default="runs/bench/ladder")
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA))
-    ap.add_argument("--ladders", type=int, default=200, help="synthetic ladders per corpus in the calibration")
+    ap.add_argument("--target-seeds", type=int, default=3)
+    ap.add_argument("--n-boot", type=int, default=100)
     args = ap.parse_args()
 
-    from moelab.config import load_config
-    from moelab.ladder import DEFAULT_LAW, LAW_CHOICES
-    from moelab.ladder import law as L
-    from moelab.ladder.forecast import backtest, corrected_noise, estimate_noise, fitted, rung_run
-    from moelab.train.evaluate import eval_noise
+    from moelab.ladder import DEFAULT_LAW, LAWS
+    from moelab.ladder.forecast import backtest, rung_run
 
     t_start = time.time()
-    root = Path(args.out)
     out = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-           "ladder": str(Path(args.ladder).relative_to(ROOT)), "default_law": DEFAULT_LAW, "corpora": {}}  # fmt: skip
-    runs_of = {}
+           "ladder": str(Path(args.ladder).relative_to(ROOT)), "default_law": DEFAULT_LAW, "metric": "mix",
+           "corpora": {}}  # fmt: skip
+    path = RESULTS / "forecast.json"
+    cov_all = {}
     for corpus in args.corpora:
-        print(f"== {corpus}: the ladder", flush=True)
-        cfgs = configs(Path(args.ladder), corpus)
-        jobs = [(c.name.split("-")[-1], c) for c in cfgs]
-        if corpus == "stdlib":  # the target's width on a schedule the rungs never ran
-            jobs.append(("d104-wsd", load_config(cfgs[-1], ["train.schedule=wsd", "train.decay_frac=0.2"])))
-        train_all(jobs, root / corpus)
-        runs_of[corpus] = {name: rung_run(root / corpus / name) for name, _ in jobs}
-
-    cal_jobs = {}
-    for corpus in args.corpora:
-        runs = runs_of[corpus]
-        rungs, target = [runs[k] for k in ("d24", "d32", "d40", "d48")], runs["d104"]
-        print(f"== {corpus}: backtests", flush=True)
-        res = {"laws": {}}
-        for law in LAW_CHOICES:
-            bt = backtest(rungs, target, law, n_boot=200)
-            fc = bt.pop("forecast")
-            res["laws"][law] = bt
-            print(
-                f"  {law:<13} past 20%: mean |error| {bt['mean_abs_error_past_20']:.2%}, largest "
-                f"{bt['max_abs_error_past_20']:.2%}; final {bt['final_error']:+.2%}; band coverage {bt['coverage']:.0%}"
-                f"; final band {bt['final_band'][0]:.3f}-{bt['final_band'][1]:.3f}",
-                flush=True,
-            )
-            if law == DEFAULT_LAW:
-                figure(corpus, rungs, target, fc, DOCS / f"forecast_{corpus}.svg")
-                res["final_band_half_width"] = (
-                    (bt["final_band"][1] - bt["final_band"][0]) / 2 / bt["curve"][-1]["predicted"]
-                )
-        if "d104-wsd" in runs:
-            print(f"== {corpus}: WSD target from linear-decay rungs", flush=True)
-            res["wsd"] = {}
-            for law in LAW_CHOICES:
-                bt = backtest(rungs, runs["d104-wsd"], law, n_boot=100)
-                bt.pop("forecast")
-                res["wsd"][law] = bt
-                print(f"  {law:<13} past 20%: mean |error| {bt['mean_abs_error_past_20']:.2%}, largest "
-                      f"{bt['max_abs_error_past_20']:.2%}; final {bt['final_error']:+.2%}", flush=True)  # fmt: skip
-        print(f"== {corpus}: the evaluation's own noise", flush=True)
-        res["eval_noise"] = eval_noise(root / corpus / "d104", against=root / corpus / "d48", progress=False)
-        print(f"  one evaluation: {res['eval_noise']['relative_sd']:.3%} alone, "
-              f"{res['eval_noise']['paired_relative_sd']:.3%} relative to the d48 rung", flush=True)  # fmt: skip
-        # the calibration's truth: the default law through all five real runs, with their measured noise
-        five = fitted([*rungs, target])
-        truth = L.fit_law(five, DEFAULT_LAW)
-        measured = estimate_noise(truth, five)
-        noise = corrected_noise(truth, five, measured, np.random.default_rng(7))
-        noise["point"] = max(noise["point"], res["eval_noise"]["paired_relative_sd"])
-        res["calibration_truth"] = {
-            "fit": truth.to_dict(),
-            "noise": {k: noise[k] for k in ("rung", "point", "rho", "dof")},
-        }
-        half = args.ladders // 2
-        cal_jobs[corpus] = [
-            (truth, rungs, target, noise, half, 0, f"{corpus} (worker 1)"),
-            (truth, rungs, target, noise, args.ladders - half, 1, f"{corpus} (worker 2)"),
-        ]
-        out["corpora"][corpus] = res
-
-    print(f"== calibration: {args.ladders} synthetic ladders per corpus, 2 processes", flush=True)
-    cal = {}
-    # spawned, not forked: this process has run JAX, whose threads a fork would copy mid-flight
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for corpus, jobs in cal_jobs.items():
+        print(f"== {corpus}: the ladder and the target's seeds", flush=True)
+        runs = jobs(Path(args.ladder), corpus, args.target_seeds)
+        root = Path(args.out) / corpus
+        train_all(runs, root)
+        loaded = {name: rung_run(root / name) for name, _, _ in runs}
+        rungs = [loaded[n] for n, _, role in runs if role == "rung"]
+        targets = [loaded[n] for n, _, role in runs if role == "target"]
+        mean = mean_run(targets)
+        res = {"runs": {n: {"final": float(r.loss[-1]), "n": r.n, "steps": r.total_steps} for n, r in loaded.items()},
+               "laws": {}}  # fmt: skip
+        print(f"== {corpus}: backtests (fit on {len(rungs)} rung runs)", flush=True)
+        for law in [x for x in LAWS if not x.endswith("-peak")]:
             t0 = time.time()
-            parts = list(pool.map(_calibrate, jobs))
-            per_ladder = [x for p in parts for x in p["coverage_per_ladder"]]
-            by_fraction = {f: float(np.average([p["coverage_by_fraction"][f] for p in parts], weights=[p["ladders"] for p in parts]))
-                           for f in parts[0]["coverage_by_fraction"]}  # fmt: skip
-            cal[corpus] = {
-                "ladders": len(per_ladder),
-                "coverage": float(np.mean(per_ladder)),
-                "coverage_by_fraction": by_fraction,
-                "coverage_per_ladder": per_ladder,
-                "final_half_width": float(np.mean([p["final_half_width"] for p in parts])),
-                "mean_abs_error_past_20": float(np.mean([p["mean_abs_error_past_20"] for p in parts])),
-                "noise": parts[0]["noise"],
-            }
-            out["corpora"][corpus]["calibration"] = cal[corpus]
-            print(f"  {corpus}: coverage {cal[corpus]['coverage']:.1%} of the nominal 90% ({len(per_ladder)} ladders, "
-                  f"{time.time() - t0:.0f} s); median final half-width {cal[corpus]['final_half_width']:.2%}", flush=True)  # fmt: skip
-    calibration_figure(cal, DOCS / "forecast_calibration.svg")
+            bt = backtest(rungs, targets[0], law, n_boot=args.n_boot)
+            fc = bt.pop("forecast")
+            entry = {"seed0": against(fc, targets[0]), "mean": against(fc, mean),
+                     "fit": fc["fit"], "params": fc["params"], "warnings": fc["warnings"], "noise": fc["noise"],
+                     "model_error": fc["model_error"], "e_sensitivity": fc["e_sensitivity"]}  # fmt: skip
+            for r in entry["seed0"]["curve"]:
+                r.pop("low", None), r.pop("high", None)
+            res["laws"][law] = entry
+            s0, m = entry["seed0"], entry["mean"]
+            print(f"  {law:<13} seed 0: mean past 20% {s0['mean_abs_error_past_20']:.2%}, final {s0['final_error']:+.2%}"
+                  f"; mean of seeds: final {m['final_error']:+.2%}; band {s0['final_band_pct'][0]:+.2f}% / "
+                  f"{s0['final_band_pct'][1]:+.2f}%, past 20% inside {s0['late_inside']:.0%}; bound {fc['fit']['at_bound']}"
+                  f" ({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
+            if law == DEFAULT_LAW:
+                figure(corpus, rungs, targets, fc, DOCS / f"forecast_{corpus}.svg")
+        for e, key in ((MARIN_E, "per-fraction (Marin: E = 1.5)"), (None, "per-fraction (E fitted)")):
+            pf = {"seed0": per_fraction(rungs, targets[0], e), "mean": per_fraction(rungs, mean, e)}
+            res["laws"][key] = pf
+            print(f"  {key:<30} seed 0: mean past 20% {pf['seed0']['mean_abs_error_past_20']:.2%}, final "
+                  f"{pf['seed0']['final_error']:+.2%}; mean of seeds: final {pf['mean']['final_error']:+.2%}", flush=True)  # fmt: skip
+        print(f"== {corpus}: real forecasts for the band's coverage ({DEFAULT_LAW})", flush=True)
+        cov_all[corpus] = res["coverage"] = coverage(rungs, targets, DEFAULT_LAW, args.n_boot, print)
+        out["corpora"][corpus] = res
+        out["seconds"] = time.time() - t_start
+        path.write_text(json.dumps(out, indent=1))
+    rows = [r for c in cov_all.values() for r in c]
+    out["coverage"] = {
+        "forecasts": len(rows),
+        "final_inside": float(np.mean([r["final_inside"] for r in rows])) if rows else None,
+        "late_points_inside": float(np.mean([r["late_inside"] for r in rows])) if rows else None,
+    }
+    coverage_figure(cov_all, DOCS / "forecast_coverage.svg")
     out["seconds"] = time.time() - t_start
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "forecast.json").write_text(json.dumps(out, indent=1))
+    path.write_text(json.dumps(out, indent=1))
     print_tables(out)
 
 
 def print_tables(out: dict) -> None:
     """The README's tables."""
     for corpus, res in out["corpora"].items():
-        print(f"\n{corpus}: fit on d24-d48, predict d104 (12.8x the compute of d48)\n")
-        print("| law | 10% | 25% | 50% | 75% | 100% | mean past 20% | largest past 20% | final | band coverage |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for law, bt in res["laws"].items():
-            at = {round(r["fraction"], 2): r["error"] for r in bt["curve"]}
-            cells = " | ".join(f"{at[f]:+.2%}" if f in at else "" for f in (0.1, 0.25, 0.5, 0.75, 1.0))
-            print(f"| {law} | {cells} | {bt['mean_abs_error_past_20']:.2%} | {bt['max_abs_error_past_20']:.2%} | "
-                  f"{bt['final_error']:+.2%} | {bt['coverage']:.0%} |")  # fmt: skip
-        if "calibration" in res:
-            c = res["calibration"]
-            print(f"\ncalibration: {c['coverage']:.1%} ({c['ladders']} ladders); final band half-width of the real "
-                  f"forecast {res['final_band_half_width']:.2%}; eval noise {res['eval_noise']['relative_sd']:.2%} "
-                  f"alone, {res['eval_noise']['paired_relative_sd']:.2%} paired")  # fmt: skip
-        if "wsd" in res:
-            print("\nWSD target from linear-decay rungs:")
-            for law, bt in res["wsd"].items():
-                print(
-                    f"| {law} | {bt['mean_abs_error_past_20']:.2%} | {bt['max_abs_error_past_20']:.2%} | {bt['final_error']:+.2%} |"
-                )
+        print(
+            f"\n{corpus}: fit on the rungs, forecast d104 (12.8x the compute of d48); the target's final {res['runs']['d104']['final']:.4f}\n"
+        )
+        print("| law | 25% | 50% | 75% | 100% | mean past 20% | final (mean of seeds) | final band | past 20% inside |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for law, e in res["laws"].items():
+            s0 = e["seed0"]
+            at = {round(r["fraction"], 2): r["error"] for r in s0["curve"]}
+            cells = " | ".join(f"{at[f]:+.2%}" if f in at else "" for f in (0.25, 0.5, 0.75, 1.0))
+            band = (
+                f"{s0['final_band_pct'][0]:+.1f}% / {s0['final_band_pct'][1]:+.1f}%" if "final_band_pct" in s0 else "-"
+            )
+            inside = f"{s0['late_inside']:.0%}" if "late_inside" in s0 else "-"
+            print(
+                f"| {law} | {cells} | {s0['mean_abs_error_past_20']:.2%} | {e['mean']['final_error']:+.2%} | {band} | {inside} |"
+            )
+    c = out.get("coverage")
+    if c and c["forecasts"]:
+        print(f"\ncoverage over {c['forecasts']} real forecasts: final point inside the 90% band {c['final_inside']:.0%}, "
+              f"points past 20% inside {c['late_points_inside']:.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":
