@@ -1,7 +1,7 @@
 """`make demo`: Marin's hero and ladder as moelab counts them, then the ladder experiment.
 
-The experiment (experiments/exp13_ladder_forecast.py) goes through `moelab run`: its declaration
-and prediction are journaled; three tiny rungs train on the standard library (tokenizer, token
+The experiment (experiments/exp24_forecast_noise_floor.py) goes through `moelab run`: its declaration
+and prediction are journaled; four tiny rungs, two seeds each, train on the standard library (tokenizer, token
 store, evals every 5%, checkpoints); the target's whole curve is forecast from them and the
 forecast registered in the journal; the target trains, monitored against the forecast and the
 rungs; its health summary and forecast error are judged; the site is written to runs/site.
@@ -77,7 +77,7 @@ def print_layer_table(rec: dict) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = ROOT / "experiments" / "exp13_ladder_forecast.py"
+EXAMPLE = ROOT / "experiments" / "exp24_forecast_noise_floor.py"
 DEMO_LADDER = ROOT / "ladders" / "demo.yaml"
 
 
