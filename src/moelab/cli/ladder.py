@@ -101,7 +101,7 @@ def cmd_ladder_forecast(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.target, args.overrides)
     fc = forecast(args.ladder, cfg, law=args.law, e=args.e, n_boot=args.n_boot, target_name=cfg.name or args.target,
-                  log=lambda text: print(text, file=sys.stderr))  # fmt: skip
+                  log=lambda text: print(text, file=sys.stderr), agg=args.metric)  # fmt: skip
     tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
     try:
         tmp.write_text(json.dumps(fc, indent=1))
@@ -112,8 +112,14 @@ def cmd_ladder_forecast(args: argparse.Namespace) -> int:
         f"forecast for {fc['target']} by {fc['law']} ({fc['target_flops']:.3g} FLOPs without the LM head, "
         f"{fc['target_steps']} steps) from {len(args.ladder)} rungs -> {args.out}"
     )
-    if "fit" in fc:
+    if fc.get("params"):  # each parameter with its 90% interval from the band's refits
+        print(
+            "  " + ", ".join(f"{k} {v['value']:.4g} [{v['low']:.3g}, {v['high']:.3g}]" for k, v in fc["params"].items())
+        )
+    elif "fit" in fc:
         print("  " + ", ".join(f"{k} {v:.4g}" for k, v in fc["fit"]["params"].items()))
+    for w in fc.get("warnings", []):
+        print(f"  warning: {w}")
     for f, s, loss, lo, hi in zip(fc["fractions"], fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True):
         print(f"  {f:>5.0%}  step {s:>8}  loss {loss:.4f}  [{lo:.4f}, {hi:.4f}]")
     return 0
@@ -138,23 +144,25 @@ def cmd_ladder_backtest(args: argparse.Namespace) -> int:
     from moelab.ladder.forecast import backtest, ends, rung_curve, rung_run
     from moelab.ladder.law import LawError
 
-    runs = [rung_run(d) for d in args.ladder]
+    runs = [rung_run(d, agg=args.metric) for d in args.ladder]
     if args.target:
-        rungs, target = runs, rung_run(args.target)
-    else:  # the largest rung is the target: fit on the others
-        if len(runs) < 3:
+        rungs, target = runs, rung_run(args.target, agg=args.metric)
+    else:  # the largest size is the target (its first run): fit on the smaller sizes, every seed of them
+        top = max(r.n for r in runs)
+        rungs = [r for r in runs if r.n < top]
+        target = next(r for r in runs if r.n == top)
+        if len({r.n for r in rungs}) < 2:
             raise UsageError(
-                "--ladder: give three or more rungs (the largest is predicted from the others), or --target"
+                "--ladder: give rungs of three or more sizes (the largest is predicted from the others), or --target"
             )
-        *rungs, target = sorted(runs, key=lambda r: r.flops_per_token * r.tokens_per_step * r.total_steps)
     laws = LAW_CHOICES if args.law == "all" else (args.law,)
     out = []
     for law in laws:
         try:
-            out.append(backtest(rungs, target, law, n_boot=args.n_boot))
+            out.append(backtest(rungs, target, law, n_boot=args.n_boot, e=args.e))
         except LawError as exc:
             raise UsageError(f"--ladder: {exc}") from None
-    marin_ends = ends([rung_curve(d) for d in args.ladder], e=args.e)
+    marin_ends = ends([rung_curve(d, agg=args.metric) for d in args.ladder], e=args.e)
     if args.json:
         for res in out:
             res.pop("forecast")
@@ -279,7 +287,9 @@ def register(sub) -> None:
     p.add_argument("--target", required=True, help="the target's preset or config YAML (its own schedule is forecast)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--law", default=DEFAULT_LAW, choices=LAW_CHOICES, help=f"default {DEFAULT_LAW}")
-    p.add_argument("--e", type=float, help="per-fraction only: fix the irreducible loss E (Marin: 1.5)")
+    p.add_argument("--e", type=float, help="hold the irreducible loss E at this value (Marin holds it at 1.5)")
+    p.add_argument("--metric", default="mix", choices=("mix", "macro"),
+                   help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip
     p.add_argument("--n-boot", type=positive_int, default=200, help="bootstrap draws for the band (default 200)")
     p.add_argument("--out", required=True, help="forecast.json")
     p.set_defaults(func=cmd_ladder_forecast)
@@ -292,7 +302,9 @@ def register(sub) -> None:
         "--target", metavar="DIR", help="the run to predict (default: the largest of --ladder, from the others)"
     )
     p.add_argument("--law", default=DEFAULT_LAW, choices=(*LAW_CHOICES, "all"), help=f"default {DEFAULT_LAW}")
-    p.add_argument("--e", type=float, help="per-fraction only: fix E; default: fit it")
+    p.add_argument("--e", type=float, help="hold E at this value; default: fit it")
+    p.add_argument("--metric", default="mix", choices=("mix", "macro"),
+                   help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip
     p.add_argument("--n-boot", type=positive_int, default=100, help="bootstrap draws for the band (default 100)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ladder_backtest)

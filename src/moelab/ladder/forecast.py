@@ -534,13 +534,16 @@ def forecast(
     return fc
 
 
-def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot: int = 100, **joint) -> dict:
+def backtest(
+    rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot: int = 100, e: float | None = None, **joint
+) -> dict:
     """Fit on ``rungs`` only and predict ``target``'s measured curve: the error at each evaluation,
-    the mean and largest past 20% of the run, the final one, and how often the band held the truth."""
+    the mean and largest past 20% of the run, the final one, and how often the band held the truth.
+    ``e`` holds E (Marin's form, or a joint law's)."""
     if law == "per-fraction":
         curves = [_curve_of(r) for r in rungs]
         tc = _curve_of(target)
-        fc = forecast_per_fraction(curves, tc["flops"], target.total_steps, n_boot=n_boot)
+        fc = forecast_per_fraction(curves, tc["flops"], target.total_steps, e=e, n_boot=n_boot)
         actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
         pts = [
             (s, p, lo, hi)
@@ -549,7 +552,9 @@ def backtest(rungs: list[L.Run], target: L.Run, law: str = L.DEFAULT_LAW, n_boot
         ]
     else:
         blind = target.blind()
-        fc = forecast_joint(rungs, blind, law, n_boot=n_boot, **joint)  # the target's losses never reach the fit
+        fc = forecast_joint(
+            rungs, blind, law, n_boot=n_boot, e_fixed=e, **joint
+        )  # the target's losses never reach the fit
         actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
         pts = list(zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True))
     rows = [
