@@ -18,7 +18,10 @@ SCRIPTS = [
     ["drops_vs_context.py"],
     ["forecast_backtest.py"],
     # the clean ladders forecast_backtest.py trained, under the calibrated health thresholds
-    ["health_calibration.py", "runs/bench/forecast/stdlib", "runs/bench/forecast/cheaders"],
+    ["health_calibration.py", "runs/bench/ladder/stdlib", "runs/bench/ladder/cheaders"],
+    # issue 24: the noise floor (issue 13's recipe, seeds of d48 and d104) and the learning-rate sweep
+    ["noise_floor.py"],
+    ["lr_rule.py"],
     ["store_memory.py"],
     ["first_minute.py"],
     ["memory_plan.py"],
