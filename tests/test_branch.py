@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_cli
 from moelab.config import load_config
 from moelab.errors import RunRefused
 from moelab.lab.graph import Step, output_of
@@ -106,11 +105,10 @@ def test_branch_from_a_checkpoint_equals_the_branch_trained_from_scratch(corpus,
     assert cut.steps.min() == 15 and list(cut.steps) == [s for s in b_run.steps if s > 12]
     assert shared_prefixes_once([b_run])[0].steps.min() == b_run.steps.min()
 
-    # refused in one line, exit 2: no checkpoint at that step; a folder that already holds a branch
-    res = run_cli("train", "--branch-from", str(tmp_path / "parent"), "--at", "7", "--steps", "20",
-                  "--out", str(tmp_path / "b2"))  # fmt: skip
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "no checkpoint at step 7" in res.stderr
-    assert not (tmp_path / "b2").exists() or not any((tmp_path / "b2").iterdir())
+    # refused: no checkpoint at that step (nothing written); a folder that already holds a branch
+    with pytest.raises(RunRefused, match="no checkpoint at step 7"):
+        start_branch(tmp_path / "parent", 7, tmp_path / "b2", branch_config(parent_cfg, 7, 20))
+    assert not (tmp_path / "b2").exists()
     with pytest.raises(RunRefused, match="already holds a branch"):
         start_branch(tmp_path / "parent", 12, tmp_path / "branch", b)
 

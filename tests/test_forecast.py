@@ -121,6 +121,7 @@ def test_a_backtest_never_sees_the_run_it_predicts():
     assert abs(a["final_error"]) < 0.02 and b["final_error"] < -0.6
 
 
+@pytest.mark.slow  # ~28 s; by default test_the_fit_recovers_its_parameters_within_their_intervals checks the band's refits
 def test_the_band_covers_what_it_says_on_synthetic_ladders():
     """Synthetic ladders with rung offsets and autocorrelated noise, forecast as a real one is: the
     nominal 90% band holds the synthetic target's points at 75-100% of 20 ladders (a small set; the

@@ -26,15 +26,17 @@ def pipeline(corpus, tmp_path_factory):
         "train.lr=auto",
         "train.log_every=2",
         "train.checkpoint_every=1000",
+        "train.forecast_update_every=0.3",  # three or four refits, not ten: each draws a band
     ]
     (root / "micro.yaml").write_text(
         "name: micro\nrecipe: tiny\n"
         f"overrides: {json.dumps(overrides)}\n"
         "widths: [32, 48, 64]\ntarget_width: 96\nhead_dim: 16\nlayers: [1]\nbatch_size: 4\n"
-        "tokens_per_active_param: 0.5\nseeds: 2\n"  # six independent runs: the band's three degrees of freedom
+        "tokens_per_active_param: 0.5\n"
     )
     rungs, target_cfg = ladder_steps(str(root / "micro.yaml"), progress=False)
-    fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg)
+    # three one-seed rungs give the run spread one degree of freedom: a noise floor measured apart supplies the rest
+    fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg, floor={"sd": 0.01, "dof": 4}, n_boot=60)
     target = train_step("target", target_cfg, forecast=output_of(fc) / "forecast.json", progress=False)
     health = health_step("health", output_of(target))
     exp = Experiment(

@@ -137,7 +137,8 @@ def _forecast(cfg: dict, out: Path) -> dict:
     from moelab.ladder.law import DEFAULT_LAW
 
     target = _config(cfg["target"])
-    fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"))
+    fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"), floor=cfg.get("floor"),
+                  n_boot=cfg.get("n_boot") or 200)  # fmt: skip
     text = json.dumps(fc, indent=1)
     tmp = out / ".forecast.json.tmp"
     tmp.write_text(text)
@@ -167,10 +168,20 @@ def _forecast(cfg: dict, out: Path) -> dict:
     }
 
 
-def forecast_step(name: str, rungs: list, target, *, law: str | None = None, e: float | None = None) -> Step:
+def forecast_step(
+    name: str,
+    rungs: list,
+    target,
+    *,
+    law: str | None = None,
+    e: float | None = None,
+    floor: dict | None = None,
+    n_boot: int = 200,
+) -> Step:
     """Forecast ``target`` (a Config) from ``rungs`` (``output_of(rung)`` each) by ``law`` (default:
     moelab.ladder.law.DEFAULT_LAW; ``per-fraction`` is Marin's form): forecast.json, its hash
-    registered in the journal before the target trains."""
+    registered in the journal before the target trains. ``floor`` ({"sd", "dof"}): a run-to-run spread
+    measured apart, pooled with the rungs' own (a ladder of too few seeds needs it)."""
     from moelab.config import to_dict
     from moelab.ladder.law import DEFAULT_LAW
 
@@ -182,6 +193,8 @@ def forecast_step(name: str, rungs: list, target, *, law: str | None = None, e: 
             "target": {"resolved": versioned(to_dict(target))},
             "law": versioned(law or DEFAULT_LAW),
             "e": versioned(e),
+            "floor": versioned(floor),
+            "n_boot": versioned(n_boot),
         },
     )
 

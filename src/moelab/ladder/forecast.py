@@ -499,6 +499,7 @@ def forecast(
     target_name: str | None = None,
     log=None,
     agg: str = AGG,
+    floor: dict | None = None,
 ) -> dict:
     """forecast.json for ``target_cfg`` from the rungs' run directories, by ``law``, of the held-out
     loss ``agg`` (mix or macro); ``e`` holds the law's E at that value; ``log(text)`` hears what it is
@@ -526,7 +527,7 @@ def forecast(
                 f"fitting {law} to {sum(len(r.steps) for r in runs)} evaluations of {len(runs)} rungs and drawing its band ..."
             )
         try:
-            fc = forecast_joint(runs, target, law, n_boot=n_boot, e_fixed=e)
+            fc = forecast_joint(runs, target, law, n_boot=n_boot, e_fixed=e, floor=floor)
         except L.LawError as exc:
             raise ForecastError(f"--ladder: {exc}") from None
     fc.update(target=target.name, target_flops=flops, target_steps=target.total_steps,
