@@ -374,7 +374,7 @@ def test_forecast_and_backtest_commands(tmp_path):
     out = tmp_path / "forecast.json"
     res = run_cli(
         "ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--set", "train.steps=2000", "--law",
-        "per-fraction", "--out", str(out),
+        "per-fraction", "--n-boot", "10", "--out", str(out),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     fc = json.loads(out.read_text())
@@ -383,7 +383,7 @@ def test_forecast_and_backtest_commands(tmp_path):
         and fc["steps"][-1] == 2000
         and fc["loss"][-1] == pytest.approx(law(fc["target_flops"]), rel=0.01)
     )
-    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--law", "per-fraction", "--json")
+    res = run_cli("ladder", "backtest", "--ladder", *dirs, "--law", "per-fraction", "--n-boot", "10", "--json")
     assert res.returncode == 0 and len(json.loads(res.stdout)["backtests"][0]["curve"]) == 20
     res = run_cli("ladder", "backtest", "--ladder", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "no config.json" in res.stderr
