@@ -79,7 +79,7 @@ def mean_run(runs):
 
 def per_fraction(rungs, target, e):
     """Marin's form (moelab.ladder.forecast.backtest with law per-fraction), E held or fitted."""
-    from moelab.ladder.forecast import FRACTIONS, _curve_of, forecast_per_fraction, summarize
+    from moelab.ladder.forecast import FRACTIONS, _curve_of, forecast_per_fraction, scored, summarize
 
     curves = [_curve_of(r) for r in rungs]
     # seeds of one size: Marin's fit sees one point per size and fraction, their mean
@@ -93,21 +93,15 @@ def per_fraction(rungs, target, e):
         merged.append({**group[0], "fractions": fr})
     tc = _curve_of(target)
     fc = forecast_per_fraction(merged, tc["flops"], target.total_steps, e=e, n_boot=100)
-    actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
-    rows = [{"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
-             "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
-            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True) if s in actual]  # fmt: skip
+    rows = scored(fc, target)
     return {"law": "per-fraction", "e": e, "curve": rows, **summarize(rows)}
 
 
 def against(fc: dict, target) -> dict:
     """A joint forecast's curve against a measured run: errors, band, coverage."""
-    from moelab.ladder.forecast import summarize
+    from moelab.ladder.forecast import scored, summarize
 
-    actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
-    rows = [{"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
-             "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
-            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True) if s in actual]  # fmt: skip
+    rows = scored(fc, target)
     out = {"curve": rows, **summarize(rows)}
     last = rows[-1]
     out["final_band_pct"] = [100 * (last["low"] / last["predicted"] - 1), 100 * (last["high"] / last["predicted"] - 1)]

@@ -545,25 +545,21 @@ def backtest(
         curves = [_curve_of(r) for r in rungs]
         tc = _curve_of(target)
         fc = forecast_per_fraction(curves, tc["flops"], target.total_steps, e=e, n_boot=n_boot)
-        actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
-        pts = [
-            (s, p, lo, hi)
-            for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True)
-            if s in actual
-        ]
     else:
-        blind = target.blind()
-        fc = forecast_joint(
-            rungs, blind, law, n_boot=n_boot, e_fixed=e, **joint
-        )  # the target's losses never reach the fit
-        actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
-        pts = list(zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True))
-    rows = [
+        fc = forecast_joint(rungs, target.blind(), law, n_boot=n_boot, e_fixed=e, **joint)  # never sees the losses
+    rows = scored(fc, target)
+    return {"law": law, "target": target.name, "curve": rows, **summarize(rows), "forecast": fc}
+
+
+def scored(fc: dict, target: L.Run) -> list[dict]:
+    """A forecast's points (``steps``, ``loss``, ``low``, ``high``) at the steps ``target`` measured:
+    the error of each, and whether the band held what the run measured."""
+    actual = dict(zip(target.steps.astype(int).tolist(), target.loss, strict=True))
+    return [
         {"step": s, "fraction": s / target.total_steps, "predicted": p, "low": lo, "high": hi, "actual": actual[s],
          "error": p / actual[s] - 1, "inside": bool(lo <= actual[s] <= hi)}
-        for s, p, lo, hi in pts
+        for s, p, lo, hi in zip(fc["steps"], fc["loss"], fc["low"], fc["high"], strict=True) if s in actual
     ]  # fmt: skip
-    return {"law": law, "target": target.name, "curve": rows, **summarize(rows), "forecast": fc}
 
 
 def summarize(rows: list[dict]) -> dict:
