@@ -141,6 +141,38 @@ def test_eval_loss_outside_the_forecast_band_alerts():
     assert alerts(mon) == [("forecast_band", 300)]
 
 
+def test_departures_from_the_runs_own_level_by_hand():
+    from moelab.monitor.health import departures
+
+    f = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
+    r = [0.5, 0.01, 0.03, 0.02, 0.08, 0.02]  # 0.05 lies before the law's first fraction (0.1)
+    d = departures(f, r, min_fraction=0.1)
+    # 0.1 and 0.2 have fewer than two earlier points past 0.1; 0.3: median(0.01, 0.03) = 0.02, so 0;
+    # 0.4: median(0.01, 0.03, 0.02) = 0.02; 0.5: the window is 0.2-0.4, median(0.03, 0.02, 0.08) = 0.03
+    assert np.isnan(d[:3]).all()
+    assert d[3:] == pytest.approx([0.0, 0.06, -0.01])
+
+
+def test_a_jump_off_the_runs_own_level_alerts_through_the_band_and_a_steady_offset_does_not():
+    steps = [100 * k for k in range(1, 21)]
+    pred = [5.0 - 0.05 * k for k in range(1, 21)]
+    fc = {"steps": steps, "loss": pred, "low": [0.5 * p for p in pred], "high": [2 * p for p in pred],
+          "min_fraction": 0.1, "track": {"rms": 0.005}}  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def run(jump_at=None):
+        recs = []
+        for s, p in zip(steps, pred, strict=True):
+            v = p * 1.04 * np.exp(rng.normal(0, 0.003)) * (1.05 if jump_at and s >= jump_at else 1.0)
+            recs.append({"kind": "eval", "step": s, "loss": {"macro": v}, "loss_dropless": {"macro": v}})
+        return recs
+
+    assert alerts(check_records(run(), forecast=fc)) == []  # 4% off the forecast all along: its own level
+    assert ("forecast_track", 1300) in alerts(check_records(run(jump_at=1300), forecast=fc))
+    del fc["track"]  # a forecast without the rungs' measure: no check rather than a guessed width
+    assert "forecast_track" not in check_records(run(jump_at=1300), forecast=fc).state
+
+
 def trajectory_run(steps, seed, fault=None, records=100):
     """Training records whose gradient norm falls from a warmup peak and whose drops sit near 1%."""
     rng = np.random.default_rng(seed)

@@ -117,3 +117,39 @@ def test_the_forecast_is_updated_as_the_target_trains_and_never_replaced(pipelin
     assert [p["predicted"] for p in health["forecast"]["points"]] == fc["loss"]  # judged against the registered one
     (v1,) = health["forecast_versions"]  # the run recorded the forecast it launched with, by the journal's hash
     assert v1["version"] == 1 and v1["source"] == "launch" and v1["hash"] == reg["hash"]
+
+
+def test_a_planted_fault_is_caught_through_the_band_and_the_clean_target_is_not(pipeline, tmp_path):
+    """Issue 24, item 5, on the tiny ladder: the target trained again with a fraction of its tokens
+    made random from 30% of the run (token_noise, same seed: identical before) departs from its own
+    level against the forecast, and forecast_track raises an ALERT within 10% of the run; the clean
+    target raises none. The fault's size is read off the pair itself."""
+    from moelab.config import load_config
+    from moelab.monitor.health import check_run
+    from moelab.train.loop import train
+    from moelab.train.record import load_run_config
+
+    runner, _, steps = pipeline
+    clean = runner.out(steps["target"])
+    fc = json.loads((clean / "forecast.json").read_text())
+    assert fc["track"]["rms"] > 0 and fc["track"]["points"] >= 10  # measured on the rungs left out
+    cfg = load_run_config(clean)
+    at = round(0.3 * cfg.train.steps)
+    faulted = tmp_path / "faulted"
+    faulted.mkdir()
+    (faulted / "forecast.json").write_text(json.dumps(fc))  # held to the clean target's registered forecast
+    fault = [f"train.inject=[token_noise@{at}:0.4]", "train.forecast_update_every=0"]
+    train(load_config(cfg, fault), faulted, progress=False)
+
+    def evals(d):
+        return {r["step"]: r["loss_dropless"]["mix"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "eval"}
+
+    a, b = evals(clean), evals(faulted)
+    assert all(b[s] == a[s] for s in a if s <= at)  # the same run up to the fault
+    soon = [s for s in a if at < s <= at + 0.1 * cfg.train.steps]
+    assert max(b[s] / a[s] - 1 for s in soon) > 0.05  # a fault of 5% or more within 10% of the run
+    _, checks = check_run(faulted, forecast=fc)  # the production scales
+    caught = checks["forecast_track"]["first_alert"]
+    assert caught is not None and at < caught <= at + 0.1 * cfg.train.steps, checks["forecast_track"]
+    _, clean_checks = check_run(clean, forecast=fc)
+    assert clean_checks["forecast_track"]["first_alert"] is None, clean_checks["forecast_track"]

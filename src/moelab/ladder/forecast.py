@@ -31,6 +31,7 @@ from moelab.config import Config, config_from_dict
 from moelab.errors import ForecastError
 from moelab.ladder import law as L
 from moelab.ladder.fits import fit_power
+from moelab.monitor.health import departures
 from moelab.train.record import read_jsonl
 from moelab.train.schedule import eval_points
 
@@ -311,15 +312,21 @@ def _fixed_e(fit: L.LawFit) -> float | None:
     return fit.linear[0] if "E" in fit.fixed else None
 
 
-def model_error(use: list[L.Run], law: str, noise: dict, target: L.Run, e_fixed: float | None = None) -> dict:
+def model_error(
+    use: list[L.Run], law: str, noise: dict, target: L.Run, e_fixed: float | None = None, min_fraction: float = MIN_FRACTION
+) -> dict:
     """What the law misses beyond noise, measured by leaving each size out: the law fitted to the other
     sizes forecasts the held-out size's runs (their mean log-error past 20% of each run). The excess of
     those errors' mean square over what the noise alone gives (the lineage spread, the point noise's
     share of a run's mean) is the model error's variance, with one degree of freedom per size left
     out. It is assumed to grow with the distance in log-size: at the target, scaled by its distance
-    from the nearest size fitted over the folds' mean distance (never below 1)."""
+    from the nearest size fitted over the folds' mean distance (never below 1).
+
+    The same forecasts of left-out sizes measure how far a clean run moves off its own level against
+    its forecast from one evaluation to the next (``track``: the rms of ``health.departures`` over
+    every left-out run's points), the width the health check's forecast_track is held to."""
     sizes = sorted({r.n for r in use})
-    folds = []
+    folds, track = [], []
     for n in sizes:
         rest, held = [r for r in use if r.n != n], [r for r in use if r.n == n]
         try:
@@ -332,24 +339,28 @@ def model_error(use: list[L.Run], law: str, noise: dict, target: L.Run, e_fixed:
             if np.any(late):
                 errs.append(float(np.mean(np.log(f.predict(r)[late] / r.loss[late]))))
                 counts.append(int(late.sum()))
+            d = departures(r.steps / r.total_steps, np.log(r.loss / f.predict(r)), min_fraction)
+            track.extend(float(x) for x in d[np.isfinite(d)])
         if errs:
             others = [m for m in sizes if m != n]
             folds.append({"n": float(n), "error": float(np.mean(errs)), "points": counts,
                           "distance": float(min(abs(math.log(n / m)) for m in others)),
                           "extrapolation": bool(n > max(others) or n < min(others))})  # fmt: skip
+    tracked = {"rms": math.sqrt(float(np.mean(np.square(track)))) if track else None,
+               "max": float(np.max(np.abs(track))) if track else None, "points": len(track)}  # fmt: skip
     inflate = (1 + noise["rho"]) / (1 - noise["rho"])
     # what noise alone gives a fold's error: its runs' offset and the mean of their late points' noise
     expected = float(np.mean([noise["rung"] ** 2 + noise["point"] ** 2 * inflate / np.mean(f["points"])
                               for f in folds])) if folds else 0.0  # fmt: skip
     if len(folds) < MIN_DOF:
         return {"sd": 0.0, "dof": float(len(folds)), "folds": folds, "expected_sd": math.sqrt(expected),
-                "note": f"{len(folds)} sizes could be left out; the model error needs {MIN_DOF}"}  # fmt: skip
+                "note": f"{len(folds)} sizes could be left out; the model error needs {MIN_DOF}", "track": tracked}  # fmt: skip
     mse = float(np.mean([f["error"] ** 2 for f in folds]))
     ref = float(np.mean([f["distance"] for f in folds]))
     dist = float(min(abs(math.log(target.n / m)) for m in sizes))
     return {"sd": math.sqrt(max(mse - expected, 0.0)), "dof": float(len(folds)), "folds": folds,
             "rms": math.sqrt(mse), "expected_sd": math.sqrt(expected), "distance_ref": ref, "target_distance": dist,
-            "scale": max(1.0, dist / ref) if ref > 0 else 1.0}  # fmt: skip
+            "scale": max(1.0, dist / ref) if ref > 0 else 1.0, "track": tracked}  # fmt: skip
 
 
 def joint_band(
@@ -443,7 +454,7 @@ def forecast_joint(
         )
     if correct:
         noise = corrected_noise(fit, use, noise, np.random.default_rng(1))
-    merr = model_error(use, law, noise, target, e_fixed) if model else None
+    merr = model_error(use, law, noise, target, e_fixed, min_fraction) if model else None
     first = float(target.steps.min())  # the law is not drawn before the first evaluation (warm-up)
     grid = np.unique(np.concatenate([np.linspace(first, target.total_steps, curve_points).round(), target.steps]))
     dense = target.blind(grid)
@@ -478,6 +489,8 @@ def forecast_joint(
             "method": "parametric bootstrap: lineage offsets, AR(1) noise, leave-one-size-out model error",
         },  # fmt: skip
         "min_fraction": min_fraction,
+        # what the health check's forecast_track is held to (monitor/health.py): None without a model error
+        "track": (merr or {}).get("track"),
         "fractions": [s / target.total_steps for s in steps],
         "steps": steps,
         "loss": [float(x) for x in pred[at]],

@@ -5,6 +5,8 @@ Each fault changes one thing, from step S on:
 - lr_high@S[:F]         the planned learning rate itself times F (3), as a wrong config would: only
                         what the model does can show it
 - data_corruption@S[:D] rows of domain D (every domain when D is left out) become random tokens
+- token_noise@S[:P]     a fraction P (0.1) of every batch's tokens become random tokens: a fault whose
+                        size is set by P (the held-out loss rises by a few percent, not a blow-up)
 - data_stuck@S[:N]      the loader repeats the N (4) batches from step S over and over
 - router_collapse@S[:E] balancing switched off and expert E's (0) router bias pushed up by 10
 - router_drift@S[:R]    expert 0's router weights grow by a factor (1 + R) (R = 0.02) every step
@@ -22,6 +24,7 @@ KINDS = {
     "lr_spike": 10.0,
     "lr_high": 3.0,
     "data_corruption": "",
+    "token_noise": 0.1,
     "data_stuck": 4,
     "router_collapse": 0,
     "router_drift": 0.02,
@@ -64,6 +67,8 @@ def parse(spec: str) -> Fault:
             raise ValueError(f"{spec!r}: {arg!r} is not a number") from None
         if value <= 0:
             raise ValueError(f"{spec!r}: the argument must be > 0, got {arg}")
+        if kind == "token_noise" and value > 1:
+            raise ValueError(f"{spec!r}: token_noise takes a fraction of tokens in (0, 1], got {arg}")
     return Fault(kind, step_n, value)
 
 
@@ -111,6 +116,11 @@ class Injector:
         self, step: int, batch: np.ndarray, rows_domain: np.ndarray, domains: list[str], vocab: int, seed: int
     ) -> np.ndarray:
         for f in self.active(step):
+            if f.kind == "token_noise":
+                rng = np.random.default_rng([seed, step, 7993])
+                hit = rng.random(batch.shape) < float(f.arg)
+                batch = np.where(hit, rng.integers(0, vocab, size=batch.shape), batch).astype(batch.dtype)
+                continue
             if f.kind != "data_corruption":
                 continue
             rows = np.ones(len(batch), bool) if not f.arg else rows_domain == domains.index(f.arg)

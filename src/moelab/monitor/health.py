@@ -33,6 +33,15 @@ SCALES: dict[str, float] = {
     "loss_decreasing": 2.14,
     "train_eval_gap": 2.96,
 }  # 2026-12-03: 22 runs on the two corpora, 5 tiny seeds
+# The forecast band re-centred on the run's own level (check forecast_track): a run's log-ratio to its
+# forecast at an evaluation, less the median of its ratios at the evaluations over the TRACK_WINDOW of
+# the run before it (at least TRACK_REF of them, past the law's first fitted fraction). How far that
+# departure goes on clean runs is measured by the forecast itself, on the rungs it leaves out one size
+# at a time (forecast.json's "track": rms); an ALERT needs TRACK_Z times that. Fixed before the
+# clean targets and planted faults were scored (benchmarks/results/health_band_prediction.md).
+TRACK_WINDOW = 0.3
+TRACK_REF = 2
+TRACK_Z = 5.0
 LOGIT_GROWTH = 1.11  # the mean squared log-partition grew by this factor over a tenth of the run
 EVAL_GAP = 1.35  # held-out loss over the recent training loss (memorising: the loader stuck on a few batches)
 
@@ -52,6 +61,19 @@ class LadderTrajectories:
     def rates(self, f: float) -> np.ndarray:
         """Each rung's change of log gradient norm over the window of the run ending at ``f``."""
         return self.log_grad_norm[:, self.at(f)] - self.log_grad_norm[:, self.at(f - RATE_WINDOW)]
+
+
+def departures(fractions, log_ratio, min_fraction: float = 0.0) -> np.ndarray:
+    """Each point's log-ratio to the forecast less the median of the run's own ratios at the points
+    over the TRACK_WINDOW of the run before it (NaN where fewer than TRACK_REF such points lie past
+    ``min_fraction``): how far a run moved off its own level against the forecast's shape."""
+    f, r = np.asarray(fractions, float), np.asarray(log_ratio, float)
+    out = np.full(len(f), np.nan)
+    for i in range(len(f)):
+        ref = (f < f[i] - 1e-9) & (f >= f[i] - TRACK_WINDOW - 1e-9) & (f >= min_fraction - 1e-9) & np.isfinite(r)
+        if ref.sum() >= TRACK_REF and f[i] >= min_fraction - 1e-9:
+            out[i] = r[i] - float(np.median(r[ref]))
+    return out
 
 
 def _smooth(x: np.ndarray, k: int = 5) -> np.ndarray:
@@ -126,6 +148,7 @@ class HealthMonitor:
     # check -> the highest value of its statistic over its ALERT threshold seen so far (1 = at the
     # threshold): what the fault study calibrates the thresholds with on clean runs
     scores: dict = field(default_factory=dict)
+    _ratios: dict = field(default_factory=dict)  # step -> log(held-out loss / forecast), for forecast_track
 
     def _set(self, check: str, level: str, step: int, evidence: str) -> Finding | None:
         if self.state.get(check) == level:
@@ -138,7 +161,7 @@ class HealthMonitor:
     def reset(self, records: list[dict]) -> None:
         """Forget everything and re-read ``records`` (after the run itself rewound)."""
         self.history, self.state, self.findings, self.latest = {"train": [], "eval": []}, {}, [], {}
-        self.scores = {}
+        self.scores, self._ratios = {}, {}
         for rec in records:
             self.update(rec)
 
@@ -344,6 +367,9 @@ class HealthMonitor:
                     f"held-out loss {actual:.4f}, forecast {fc['loss'][i]:.4f} [{lo:.4f}, {hi:.4f}]",
                     score,
                 )
+                track = self._track(rec["step"], i, actual)
+                if track is not None:
+                    yield track
         if len(hist) >= 3:
             best = min(r["loss"]["macro"] for r in hist[:-1])
             score = (macro / best - 1) / 0.10
@@ -365,6 +391,30 @@ class HealthMonitor:
                 f"held-out loss {macro:.3f} is x{ratio:.2f} the recent training loss {recent:.3f}",
                 score,
             )
+
+
+    def _track(self, step: int, i: int, actual: float):
+        """forecast_track: the band re-centred on the run's own level (see ``departures``)."""
+        fc, track = self.forecast, self.forecast.get("track") or {}
+        rms = track.get("rms")
+        if not rms or not math.isfinite(rms) or rms <= 0 or not actual > 0:
+            return None
+        self._ratios[step] = math.log(actual / fc["loss"][i])
+        total = fc["steps"][-1]
+        steps = sorted(self._ratios)
+        d = departures([s / total for s in steps], [self._ratios[s] for s in steps], fc.get("min_fraction", 0.0))
+        if not math.isfinite(d[-1]):
+            return None
+        width = TRACK_Z * rms
+        score = abs(d[-1]) / width
+        level = "ALERT" if score > 1 else "WATCH" if score > 0.5 else "OK"
+        return (
+            "forecast_track",
+            level,
+            f"held-out loss {d[-1]:+.2%} off the run's own level against its forecast (ALERT past "
+            f"{width:.2%}: {TRACK_Z:g} x the rms {rms:.2%} of the rungs left out)",
+            score,
+        )
 
 
 def forecast_problem(fc) -> str | None:

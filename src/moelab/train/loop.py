@@ -357,10 +357,10 @@ class _Job:
 
     def batch(self, s: int):
         """Step ``s``'s batch: on a mesh each process builds only its devices' rows (all of them when
-        a data-corruption fault, a testing aid, rewrites rows by domain)."""
+        a data-corruption or token-noise fault, a testing aid, rewrites rows)."""
         cfg, store, inj = self.cfg, self.store, self.injector
         args = (store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
-        if self.mesh is not None and not any(f.kind == "data_corruption" for f in inj.active(s)):
+        if self.mesh is not None and not any(f.kind in ("data_corruption", "token_noise") for f in inj.active(s)):
             return pmesh.put_rows(lambda lo, hi: batch_rows(*args, lo, hi)[0], (self.b, self.s_len + 1), self.mesh)
         batch, rows_domain = batch_at(*args)
         batch = inj.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
