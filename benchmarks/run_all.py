@@ -19,6 +19,8 @@ SCRIPTS = [
     ["forecast_backtest.py"],
     # the clean ladders forecast_backtest.py trained, under the calibrated health thresholds
     ["health_calibration.py", "runs/bench/ladder/stdlib", "runs/bench/ladder/cheaders"],
+    # issue 24, item 5: a 5% fault caught through the forecast band, and the clean runs of those ladders
+    ["health_band.py"],
     # issue 24: the noise floor (issue 13's recipe, seeds of d48 and d104) and the learning-rate sweep
     ["noise_floor.py"],
     ["lr_rule.py"],

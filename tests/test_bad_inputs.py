@@ -111,6 +111,7 @@ CASES = [
     ("train tiny --inject lr_spike@-1 --out {t}/o", "lr_spike@-1"),
     ("train tiny --inject nope@5 --out {t}/o", "nope@5"),
     ("train tiny --inject lr_spike@x --out {t}/o", "lr_spike@x"),
+    ("train tiny --inject token_noise@5:2 --out {t}/o", "token_noise@5:2"),
     # where the run goes
     ("train tiny --out /proc/moelab-nope", "--out"),
     ("train tiny --out {f}/afile", "--out"),

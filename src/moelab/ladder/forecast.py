@@ -313,7 +313,12 @@ def _fixed_e(fit: L.LawFit) -> float | None:
 
 
 def model_error(
-    use: list[L.Run], law: str, noise: dict, target: L.Run, e_fixed: float | None = None, min_fraction: float = MIN_FRACTION
+    use: list[L.Run],
+    law: str,
+    noise: dict,
+    target: L.Run,
+    e_fixed: float | None = None,
+    min_fraction: float = MIN_FRACTION,
 ) -> dict:
     """What the law misses beyond noise, measured by leaving each size out: the law fitted to the other
     sizes forecasts the held-out size's runs (their mean log-error past 20% of each run). The excess of

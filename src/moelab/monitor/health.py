@@ -392,7 +392,6 @@ class HealthMonitor:
                 score,
             )
 
-
     def _track(self, step: int, i: int, actual: float):
         """forecast_track: the band re-centred on the run's own level (see ``departures``)."""
         fc, track = self.forecast, self.forecast.get("track") or {}
