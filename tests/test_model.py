@@ -440,3 +440,36 @@ def test_unstacked_layers_have_the_gradients_of_their_slices():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert not np.any(np.asarray(got["a"][2]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity", "spill"])
+def test_router_logits_at_plus_and_minus_100_give_finite_losses_and_gradients(dtype, dispatch):
+    """Issue 25: a sigmoid router whose logits for some tokens all lie below -88 (every score
+    underflows in fp32) and for others above +88, with the Switch aux loss's coefficient at 0 and at
+    0.01: the loss and every gradient stay finite, and the underflowing tokens' routed gates still
+    sum to routed_scale."""
+    from moelab.model import router as rt
+
+    for coef in (0.0, 0.01):
+        m, p, st = small_lm(router="sigmoid", routed_scale=2.0, compute_dtype=dtype, dispatch=dispatch,
+                            aux_loss_coef=coef, router_z_loss_coef=coef, capacity_factor=1.0, spill_choices=1)  # fmt: skip
+        # every expert's router column the same direction, 1000x: each token's logits are about equal
+        # across experts and far from 0, below -100 for some tokens and above +100 for others
+        v = jax.random.normal(jax.random.PRNGKey(1), (m.d_model, 1))
+        spread = 1e-3 * jax.random.normal(jax.random.PRNGKey(2), (1, m.n_routed))
+        p["layers"]["router"] = jnp.broadcast_to(1e3 * (v + spread), p["layers"]["router"].shape).astype(jnp.float32)
+        tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 64)
+        (loss, (metrics, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, st, tokens[:, :-1], tokens[:, 1:], m)
+        assert np.isfinite(float(loss)), (coef, float(loss))
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads)), coef
+        assert np.isfinite(float(metrics["aux_loss"])) and np.isfinite(float(metrics["layers"]["router_entropy"][0]))
+    # the router itself, on logits set by hand, in fp32 and after a round trip through the compute dtype
+    logits = jnp.array([[-100.0, -101.0, -103.0, -100.5], [100.0, 101.0, 103.0, 100.5]]).astype(dtype)
+    r = rt.route(logits, jnp.zeros(4), m)
+    assert np.allclose(np.asarray(jnp.sum(r.gates, axis=-1)), 2.0, rtol=1e-5)
+    assert float(r.gates[0, 0]) > float(r.gates[0, 1]) > 0  # in the ratio of the scores, not zeros
+    g = jax.grad(lambda x: rt.switch_aux_loss(rt.route(x, jnp.zeros(4), m).log_scores, r.idx, 4))(
+        logits.astype(jnp.float32)
+    )
+    assert bool(jnp.all(jnp.isfinite(g)))

@@ -295,20 +295,23 @@ def test_switch_aux_loss_hand_case():
     probs = jnp.array([[0.8, 0.2], [0.6, 0.4]])
     m = config_from_dict({"model": {"n_routed": 2, "top_k": 1, "n_kv_heads": 1}}).model
     r = rt.route(jnp.log(probs), jnp.zeros(2), m)
-    assert float(rt.switch_aux_loss(r.scores, r.idx, 2)) == pytest.approx(1.4, rel=1e-6)
+    assert float(rt.switch_aux_loss(r.log_scores, r.idx, 2)) == pytest.approx(1.4, rel=1e-6)
     # perfectly balanced uniform router -> 1.0
     r = rt.route(jnp.zeros((4, 2)) + jnp.array([[1e-3, 0], [0, 1e-3], [1e-3, 0], [0, 1e-3]]), jnp.zeros(2), m)
-    assert float(rt.switch_aux_loss(r.scores, r.idx, 2)) == pytest.approx(1.0, rel=1e-3)
+    assert float(rt.switch_aux_loss(r.log_scores, r.idx, 2)) == pytest.approx(1.0, rel=1e-3)
 
 
 def test_router_metrics_hand_case():
     logits = jnp.array([[0.0, 0.0], [2.0, 0.0]])
     lse = np.log([2.0, np.exp(2.0) + 1.0])
     assert float(rt.router_z_loss(logits)) == pytest.approx(float(np.mean(lse**2)), rel=1e-6)
-    uniform = rt.router_entropy(jax.nn.softmax(jnp.zeros((3, 8))))
+    uniform = rt.router_entropy(jax.nn.log_softmax(jnp.zeros((3, 8))))
     assert float(uniform) == pytest.approx(1.0, rel=1e-6)
-    peaked = rt.router_entropy(jnp.array([[1.0, 0.0, 0.0, 0.0]]))
+    peaked = rt.router_entropy(jnp.log(jnp.array([[1.0, 0.0, 0.0, 0.0]])))
     assert float(peaked) == pytest.approx(0.0, abs=1e-6)
+    # two of four equally likely: entropy log 2 of log 4
+    half = rt.router_entropy(jnp.log(jnp.array([[0.5, 0.5, 0.0, 0.0]])))
+    assert float(half) == pytest.approx(0.5, rel=1e-6)
 
 
 @pytest.mark.parametrize(

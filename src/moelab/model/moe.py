@@ -334,7 +334,7 @@ def place_capacity(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
     n_experts = r.scores.shape[-1]
     flat = r.idx.reshape(-1)
     if drop_order == "score":
-        priority = -jnp.take_along_axis(r.scores, r.idx, axis=-1).reshape(-1)
+        priority = -jnp.take_along_axis(r.log_scores, r.idx, axis=-1).reshape(-1)
     else:
         priority = jnp.arange(t * k, dtype=jnp.int32)
     pos = _ranks(flat, priority, jnp.ones_like(flat, bool), n_experts).reshape(t, k)
@@ -362,14 +362,14 @@ def place_spill(r: rt.Routing, capacity: int, drop_order: str) -> Placement:
         used, unplaced, expert, pos, gates, spilled = carry
         want = jnp.any(unplaced, axis=1)
         if drop_order == "score":
-            priority = -r.scores[tokens, cand]
+            priority = -r.log_scores[tokens, cand]
         else:
             priority = tokens
         slot = used[cand] + _ranks(cand, priority, want, n_experts)
         ok = want & (slot < capacity)
         first_free = jnp.argmax(unplaced, axis=1)
         put = (jnp.arange(k)[None, :] == first_free[:, None]) & ok[:, None]
-        gate = r.scores[tokens, cand] * r.gate_scale
+        gate = jnp.exp(r.log_scores[tokens, cand] - r.log_norm)
         expert = jnp.where(put, cand[:, None], expert)
         pos = jnp.where(put, slot[:, None], pos)
         gates = jnp.where(put, gate[:, None], gates)
@@ -463,9 +463,9 @@ def moe_block(
         stats,
         expert_load=load,
         max_mean_load=jnp.max(load) / jnp.mean(load),
-        router_entropy=rt.router_entropy(r.scores),
+        router_entropy=rt.router_entropy(r.log_scores),
         router_z=rt.router_z_loss(logits),
-        aux_loss=rt.switch_aux_loss(r.scores, r.idx, m.n_routed),
+        aux_loss=rt.switch_aux_loss(r.log_scores, r.idx, m.n_routed),
         bias_mean=jnp.mean(bias),
         bias_std=jnp.std(bias),
     )

@@ -20,37 +20,44 @@ class Routing(NamedTuple):
     scores: jax.Array  # [t, e] softmax probabilities or sigmoid scores
     order: jax.Array  # [t, k + spill_choices] experts by bias-adjusted preference, best first
     idx: jax.Array  # [t, k] chosen experts = order[:, :k]
-    gate_scale: jax.Array  # [t] gate of expert e for token t = scores[t, e] * gate_scale[t]
+    log_scores: jax.Array  # [t, e] log of scores, computed as such (no underflow at any logit)
+    log_norm: jax.Array  # [t] gate of expert e for token t = exp(log_scores[t, e] - log_norm[t])
     gates: jax.Array  # [t, k]
 
 
 def route(logits: jax.Array, bias: jax.Array, m: ModelConfig) -> Routing:
-    """Pick top-k experts on bias-adjusted logits; gates from unbiased scores, renormalised."""
+    """Pick top-k experts on bias-adjusted logits; gates from unbiased scores, renormalised.
+
+    The renormalisation is done in log space: a token whose sigmoid scores all underflow (every
+    logit below about -88 in fp32) still gets gates that sum to ``routed_scale``, in the ratio of
+    its scores, never zeros or a division by zero."""
     logits = logits.astype(jnp.float32)
     if m.router == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
+        log_scores = jax.nn.log_softmax(logits, axis=-1)
         target_sum = 1.0
     else:
-        scores = jax.nn.sigmoid(logits)
+        log_scores = jax.nn.log_sigmoid(logits)
         target_sum = m.routed_scale
+    scores = jnp.exp(log_scores)
     adjusted = logits + jax.lax.stop_gradient(bias)[None, :]
     # the top k and the next ``spill_choices`` (spill walks those), not a full sort of the experts
     n_experts = logits.shape[-1]
     n = n_experts if m.spill_choices == 0 else min(n_experts, m.top_k + m.spill_choices)
     _, order = pmesh.per_device(lambda a: jax.lax.top_k(a, n), adjusted)
     idx = order[:, : m.top_k]
-    chosen = jnp.take_along_axis(scores, idx, axis=-1)
-    gate_scale = target_sum / (jnp.sum(chosen, axis=-1) + 1e-20)
-    return Routing(logits, scores, order, idx, gate_scale, chosen * gate_scale[:, None])
+    chosen = jnp.take_along_axis(log_scores, idx, axis=-1)
+    log_norm = jax.nn.logsumexp(chosen, axis=-1) - jnp.log(jnp.float32(target_sum))
+    return Routing(logits, scores, order, idx, log_scores, log_norm, jnp.exp(chosen - log_norm[:, None]))
 
 
-def switch_aux_loss(scores: jax.Array, idx: jax.Array, n_experts: int) -> jax.Array:
+def switch_aux_loss(log_scores: jax.Array, idx: jax.Array, n_experts: int) -> jax.Array:
     """Switch load-balancing loss for top-k: E * sum_e f_e * P_e, 1.0 when perfectly balanced.
 
     f_e: fraction of the t*k assignments sent to e; P_e: mean router probability of e (sigmoid
-    scores are normalised per token first).
+    scores are normalised per token first, from their logs: a row whose scores all underflow is
+    still a distribution).
     """
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(log_scores, axis=-1)
     counts = jnp.zeros((n_experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
     f = counts / idx.size
     p = jnp.mean(probs, axis=0)
@@ -62,13 +69,14 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
 
 
-def router_entropy(scores: jax.Array) -> jax.Array:
+def router_entropy(log_scores: jax.Array) -> jax.Array:
     """Mean entropy of each token's router distribution over log(E): 1.0 = uniform."""
-    if scores.shape[-1] == 1:
+    if log_scores.shape[-1] == 1:
         return jnp.ones((), jnp.float32)  # one expert: nothing to choose, call it uniform
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    ent = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0), axis=-1)
-    return jnp.mean(ent) / jnp.log(scores.shape[-1])
+    logp = jax.nn.log_softmax(log_scores, axis=-1)
+    probs = jnp.exp(logp)
+    ent = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    return jnp.mean(ent) / jnp.log(log_scores.shape[-1])
 
 
 def expert_load(idx: jax.Array, n_experts: int) -> jax.Array:

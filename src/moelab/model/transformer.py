@@ -300,6 +300,13 @@ def loss_fn(
     logit_z = jnp.sum(lse**2 * weight) / denom
     aux = jnp.mean(layers["aux_loss"])
     router_z = jnp.mean(layers["router_z"])
-    loss = ce + logit_z_scale * m.logit_z_loss * logit_z + m.aux_loss_coef * aux + m.router_z_loss_coef * router_z
+    # a term whose coefficient is zero is left out of the loss, not multiplied by 0 (0 * NaN is NaN)
+    loss = ce
+    if m.logit_z_loss:
+        loss = loss + logit_z_scale * m.logit_z_loss * logit_z
+    if m.aux_loss_coef:
+        loss = loss + m.aux_loss_coef * aux
+    if m.router_z_loss_coef:
+        loss = loss + m.router_z_loss_coef * router_z
     metrics = {"loss": loss, "ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
     return loss, (metrics, new_state)
