@@ -72,6 +72,12 @@ def env(corpus, tmp_path_factory):
         "experiment = Experiment(issue=44, slug='override', title='t', goal='g', hypothesis='h',\n"
         "    prediction=Prediction(metric='t:final_loss', value=1, low=0, high=2), steps=[t])\n"
     )
+    (files / "exp45_train.py").write_text(
+        "from moelab.lab import Experiment, Prediction\nfrom moelab.lab.steps import train_step\n"
+        "t = train_step('t', 'tiny', ['train.steps=50'])\n"
+        "experiment = Experiment(issue=45, slug='train', title='t', goal='g', hypothesis='h',\n"
+        "    prediction=Prediction(metric='t:final_loss', value=1, low=0, high=2), steps=[t])\n"
+    )
     return {"root": root, "files": files, "run": run, "trunc": trunc}
 
 
@@ -190,6 +196,10 @@ CASES = [
     ("run {f}/exp44_override.py --prefix {t}/lab", "model.top_k"),
     ("run {f}/exp44_override.py --prefix {t}/lab --dry-run", "model.top_k"),
     ("issue {f}/broken_exp.py", "broken_exp.py"),
+    ("change {f}/exp45_train.py --what  --why y --prefix {t}/lab", "--what"),
+    ("change {f}/exp45_train.py --what x --why  --prefix {t}/lab", "--why"),
+    ("change {f}/exp45_train.py --what x --why y --step 51 --prefix {t}/lab", "--step"),
+    ("change {f}/exp45_train.py --what x --why y --step -1 --prefix {t}/lab", "--step"),
     ("report --prefix /nonexistent-moelab --out {t}/site", "--prefix"),
 ]
 
@@ -262,3 +272,19 @@ def test_a_run_that_died_before_its_config_can_still_be_resumed(tmp_path):
     (tmp_path / "events.jsonl").unlink()
     with pytest.raises(Exception, match="holds no run to resume"):
         _check_out(argparse.Namespace(out=str(tmp_path), resume=True))
+
+
+def test_a_change_inside_the_run_is_recorded(env, tmp_path):
+    from moelab.train.record import read_jsonl
+
+    exp = str(env["files"] / "exp45_train.py")
+    assert main(["change", exp, "--what", "lr x0.5", "--why", "spikes", "--step", "50", "--prefix", str(tmp_path)]) == 0
+    (rec,) = read_jsonl(tmp_path / "experiments" / "exp45_train" / "journal.jsonl")
+    assert (rec["event"], rec["what"], rec["why"], rec["at_step"]) == ("change", "lr x0.5", "spikes", 50)
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(env, capsys):
+    before = snapshot(env["run"])
+    assert main(["train", "--resume", "--out", str(env["run"]), "--quiet"]) == 0
+    assert "the run is finished (step 6 of 6)" in capsys.readouterr().err
+    assert snapshot(env["run"]) == before  # no event appended, no summary rewritten

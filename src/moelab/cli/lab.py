@@ -66,12 +66,25 @@ def cmd_issue(args: argparse.Namespace) -> int:
 
 
 def cmd_change(args: argparse.Namespace) -> int:
-    from moelab.lab.commands import load_experiment
+    from moelab.lab.commands import load_experiment, training_horizons
     from moelab.lab.journal import Journal
 
+    what, why = (args.what or "").strip(), (args.why or "").strip()
+    if not what or not why:
+        raise UsageError(f"--{'what' if not what else 'why'}: say what changed and why; an empty one records nothing")
     exp = load_experiment(args.experiment)
+    if args.step is not None:
+        horizons = training_horizons(exp, Path(args.prefix))
+        longest = max(horizons.values(), default=0)
+        if not horizons:
+            raise UsageError(f"--step: {exp.name} trains nothing, so a training step names nothing; leave --step out")
+        if not 0 <= args.step <= longest:
+            runs = ", ".join(f"{k} {v}" for k, v in horizons.items())
+            raise UsageError(
+                f"--step: {args.step} lies outside every run of {exp.name} (steps: {runs}); give 0..{longest}"
+            )
     journal = Journal(Path(args.prefix) / "experiments" / exp.name / "journal.jsonl")
-    rec = journal.change(args.what, args.why, args.step)
+    rec = journal.change(what, why, args.step)
     print(f"recorded in {journal.path}: {rec['what']} (why: {rec['why']})")
     return 0
 

@@ -199,3 +199,24 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
     else:
         lines += ["Not run yet: `moelab run` records the outcome and the verdict in the journal."]
     return "\n".join(lines) + "\n"
+
+
+def training_horizons(exp, prefix: Path | None = None) -> dict[str, int]:
+    """Each training step of ``exp`` and the steps its run is planned for (as re-planned, where
+    its run under ``prefix`` says so)."""
+    from moelab.errors import RunRefused
+    from moelab.lab.graph import resolve
+    from moelab.lab.steps import _config, _train
+    from moelab.train.record import load_run_config
+
+    out = {}
+    for step in exp.all_steps():
+        if step.fn is _train:
+            out[step.name] = _config(resolve(step.config, lambda s: "")).train.steps
+            run = Path(prefix or ".") / step.dirname()
+            if prefix is not None and (run / "config.json").is_file():
+                try:
+                    out[step.name] = max(out[step.name], load_run_config(run).train.steps)
+                except RunRefused:
+                    pass
+    return out

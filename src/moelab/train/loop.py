@@ -96,6 +96,31 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     )
 
 
+def _finished(run: RunDir, cfg: Config | None) -> dict | None:
+    """A finished run's summary (its newest checkpoint at its planned horizon, summary.json written),
+    said in one line; None when the run has more to do, or when ``cfg`` is not the run's own (which
+    ``_check_resume`` then judges). Resuming a finished run writes nothing."""
+    if not (run.summary.is_file() and run.config.is_file()):
+        return None
+    try:
+        saved_hash = json.loads(run.config.read_text()).get("hash")
+        planned = load_run_config(run.path).train.steps
+    except (ValueError, AttributeError, RunRefused):
+        return None  # not a config.json: _check_resume says so in one line
+    if cfg is not None and saved_hash != config_hash(cfg):
+        return None
+    saved = checkpoint.steps(run.ckpt)
+    if not saved or saved[-1] < planned:
+        return None
+    try:
+        summary = json.loads(run.summary.read_text())
+    except ValueError:
+        return None  # a summary cut short: the run finishes again and rewrites it
+    say(f"{run.path}: the run is finished (step {saved[-1]} of {planned}); nothing was trained or written. "
+        "To train it further, re-plan its horizon first (moelab replan)", True)  # fmt: skip
+    return summary
+
+
 def _mesh(cfg: Config):
     """The (data, expert) mesh when the config asks for more than one device, else None."""
     if cfg.mesh.data * cfg.mesh.expert == 1:
@@ -184,6 +209,8 @@ def train(
     if jax.process_index() > 0:  # one writer: the others keep their records apart and share ckpt/
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
+    if resume and (done := _finished(run, cfg)) is not None:
+        return done
     cfg = _check_resume(run, cfg, resume)
     from moelab.model.transformer import backend_problems
 
