@@ -227,3 +227,71 @@ def test_a_heartbeat_never_writes_over_a_newer_owner(tmp_path, monkeypatch):
     assert a.lost and not a.holds() and json.loads(path.read_text())["owner"] == "B"
     a.release()
     assert path.exists() and json.loads(path.read_text())["owner"] == "B" and not b.lost
+
+
+# ------------------------------------------------------------------ records written whole (issue 25, item 2)
+
+
+def _torn_case(tmp_path, k: int, writer: str):
+    """A file holding one record and the first ``k`` bytes of a second; then a third is written."""
+    from moelab.jsonl import read
+    from moelab.train.record import append_jsonl
+
+    first, second, third = {"i": 1, "s": "é"}, {"i": 2, "text": 'a "quoted" ü line'}, {"i": 3}
+    line = (json.dumps(second) + "\n").encode()
+    folder = tmp_path / f"{writer}-{k}"
+    folder.mkdir()
+    path = folder / ("journal.jsonl" if writer == "journal" else "metrics.jsonl")
+    path.write_bytes((json.dumps(first) + "\n").encode() + line[:k])
+    if writer == "journal":
+        Journal(path).write("third", **third)
+    else:
+        append_jsonl(path, third)
+    return path, line, read(path)
+
+
+@pytest.mark.parametrize("writer", ["journal", "metrics"])
+def test_a_record_torn_at_every_byte_is_set_aside_and_the_next_survives(tmp_path, writer):
+    from moelab.jsonl import read
+
+    length = len((json.dumps({"i": 2, "text": 'a "quoted" ü line'}) + "\n").encode())
+    for k in range(length):
+        path, line, recs = _torn_case(tmp_path, k, writer)
+        assert recs[0]["i"] == 1 and recs[1]["i"] == 3, (k, recs)
+        aside = path.with_name(path.name + ".torn")
+        if k == 0:  # nothing was torn
+            assert len(recs) == 2 and not aside.exists()
+            continue
+        (kept,) = read(aside)
+        assert kept["bytes"] == line[:k].decode("utf-8", errors="backslashreplace"), k
+        assert kept["length"] == k and kept["offset"] == len((json.dumps({"i": 1, "s": "é"}) + "\n").encode())
+        # reported: in the journal itself, or in the run's events
+        events = recs if writer == "journal" else read(path.parent / "events.jsonl")
+        (note,) = [e for e in events if e.get("event") == "torn_record"]
+        assert note["length"] == k and note["set_aside"] == aside.name
+
+
+def test_a_bad_line_in_the_middle_is_an_error_naming_the_file_and_line(tmp_path, capsys):
+    from moelab.errors import RecordError
+    from moelab.jsonl import read
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"i": 1}\n{"i": 2\n{"i": 3}\n')  # an old torn line that swallowed nothing: still no record
+    with pytest.raises(RecordError, match=r"metrics.jsonl:2: not a whole record"):
+        read(path)
+    path.write_text('{"i": 1}\n[1, 2]\n')  # JSON, but not a record
+    with pytest.raises(RecordError, match=r"metrics.jsonl:2"):
+        read(path)
+    path.write_text('{"i": 1}\n{"i": 2')  # a torn tail is not an error: it is not read
+    assert read(path) == [{"i": 1}]
+
+
+def test_a_torn_journal_cannot_lose_a_registration(tmp_path):
+    """Finding 2: after a crash cut a journal line, the next registration used to vanish."""
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.write("declared", version=1, hash="a")
+    with open(journal.path, "ab") as fh:
+        fh.write(b'{"time": 1, "event": "prediction_regis')  # the crash
+    journal.write("prediction_registered", version=1, hash="b")
+    events = [e["event"] for e in journal.read()]
+    assert events == ["declared", "prediction_registered", "torn_record"]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from moelab import jsonl
 from moelab.lab.graph import Experiment, Prediction, verdict
 
 
@@ -25,24 +26,17 @@ class Journal:
         self.path = path
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        """Every whole record (a torn tail is not one; a bad line in the middle: RecordError)."""
+        return jsonl.read(self.path)
 
     def write(self, event: str, **fields) -> dict:
+        """One record, whole, locked (two runners may write at once) and synced to disk: a journal's
+        records are commitments (registrations, verdicts, lease changes). A torn tail left by a crash
+        is set aside first (journal.jsonl.torn) and recorded as a ``torn_record`` event."""
         rec = {"time": time.time(), "event": event, **fields}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)  # two runners may write at once
-            fh.write(json.dumps(rec, default=str) + "\n")
-            fh.flush()
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        torn = jsonl.append(self.path, rec, default=str, lock=True)
+        if torn is not None:
+            jsonl.append(self.path, {"time": time.time(), "event": "torn_record", **torn}, lock=True)
         return rec
 
     def declare(self, exp: Experiment, steps: list[dict]) -> None:

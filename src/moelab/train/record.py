@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moelab import jsonl
 from moelab.config import Config, config_from_dict
 from moelab.errors import RecordError, RunRefused
 
@@ -124,25 +125,17 @@ def _jsonable(x):
 
 
 def append_jsonl(path: Path, rec: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(_jsonable(rec), allow_nan=True) + "\n"
-    with open(path, "a") as fh:
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """One record appended whole (moelab.jsonl); a torn tail found before it is set aside beside the
+    file and recorded as a ``torn_record`` event in the run's events.jsonl."""
+    path = Path(path)
+    torn = jsonl.append(path, _jsonable(rec))
+    if torn is not None:
+        jsonl.append(path.parent / "events.jsonl", {"time": time.time(), "event": "torn_record", **torn})
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash mid-write
-                continue
-    return out
+    """The file's whole records (a torn tail is not one; a bad line in the middle: RecordError)."""
+    return jsonl.read(path)
 
 
 def git_state() -> dict:
