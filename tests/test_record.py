@@ -295,3 +295,55 @@ def test_a_torn_journal_cannot_lose_a_registration(tmp_path):
     journal.write("prediction_registered", version=1, hash="b")
     events = [e["event"] for e in journal.read()]
     assert events == ["declared", "prediction_registered", "torn_record"]
+
+
+# ------------------------------------------------------------------ a verdict knows when its outcome was known (item 1)
+
+COPYABLE = """
+from moelab.lab import Experiment, Prediction, Step
+
+def measure(cfg, out):
+    return {"value": 7.0}
+
+step = Step("measure", measure, {"size": SIZE})
+experiment = Experiment(issue=ISSUE, slug=SLUG, title="t", goal="g", hypothesis="h",
+    prediction=Prediction(metric="measure:value", value=VALUE, low=LOW, high=HIGH), steps=[step])
+"""
+
+
+def copyable(path: Path, slug: str, low: float, high: float, size: int = 1) -> Path:
+    text = COPYABLE.replace("ISSUE", "31").replace("SLUG", repr(slug)).replace("SIZE", str(size))
+    path.write_text(text.replace("VALUE", repr((low + high) / 2)).replace("LOW", repr(low)).replace("HIGH", repr(high)))
+    return path
+
+
+def test_a_copied_experiment_cannot_confirm_a_known_result(tmp_path, capsys):
+    prefix = tmp_path / "lab"
+    a = Runner(load_experiment(copyable(tmp_path / "exp31_a.py", "a", 2.9, 3.1)), prefix, log=lambda *_: None).run()
+    assert a["verdict"]["verdict"] == "FALSIFIED" and a["verdict"]["pre_registered"]
+    # the finding: a copy with the prediction moved onto the known outcome, reusing A's result
+    b_exp = load_experiment(copyable(tmp_path / "exp31_b.py", "b", 6.9, 7.1))
+    b = Runner(b_exp, prefix, log=lambda *_: None).run()
+    assert b["verdict"]["verdict"] == "POST-HOC CONFIRMED", b["verdict"]
+    assert not b["verdict"]["pre_registered"] and b["verdict"]["known_before"] == ["measure"]
+    assert "exp31_a" in b["verdict"]["why"]
+    journal = Journal(prefix / "experiments" / "exp31_b" / "journal.jsonl").read()
+    (reused,) = [e for e in journal if e["event"] == "step_reused"]
+    assert reused["step"] == "measure" and reused["produced_by"] == "exp31_a"
+    assert record(journal)["verdict"]["verdict"] == "POST-HOC CONFIRMED"  # what every view reads
+    assert main(["status", "--prefix", str(prefix)]) == 0
+    assert "verdict: POST-HOC CONFIRMED" in capsys.readouterr().out
+    assert "POST-HOC CONFIRMED" in issue_markdown(b_exp, prefix)
+    build_site(prefix, tmp_path / "site")
+    assert "POST-HOC CONFIRMED" in (tmp_path / "site" / "exp31_b.html").read_text()
+
+
+def test_a_genuine_prediction_stays_confirmed_when_its_own_results_are_reused(tmp_path):
+    prefix = tmp_path / "lab"
+    exp = load_experiment(copyable(tmp_path / "exp31_c.py", "c", 6.9, 7.1, size=2))
+    first = Runner(exp, prefix, log=lambda *_: None).run()
+    again = Runner(exp, prefix, log=lambda *_: None).run()
+    for v in (first["verdict"], again["verdict"]):
+        assert v["verdict"] == "CONFIRMED" and v["pre_registered"], v
+    journal = Journal(prefix / "experiments" / "exp31_c" / "journal.jsonl").read()
+    assert [e["produced_by"] for e in journal if e["event"] == "step_reused"] == ["exp31_c"]

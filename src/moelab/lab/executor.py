@@ -165,6 +165,41 @@ class Runner:
         path = self.out(step) / "outcome.json"
         return json.loads(path.read_text()) if path.exists() else None
 
+    def origin(self, step: Step) -> dict:
+        """When and by which experiment ``step``'s result was produced: its provenance (the end of the
+        run that made it), or, for an output without one, the outcome file's time."""
+        out = self.out(step)
+        prov = out / "provenance.json"
+        try:
+            p = json.loads(prov.read_text())
+            return {"step": step.name, "dir": step.dirname(), "produced": float(p["end"]),
+                    "experiment": p.get("experiment")}  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError):
+            made = out / "outcome.json"
+            when = made.stat().st_mtime if made.exists() else time.time()
+            return {"step": step.name, "dir": step.dirname(), "produced": when, "experiment": None}
+
+    def _reused(self, step: Step) -> dict | None:
+        """A finished result taken as it is: recorded (``step_reused``, naming what it reuses)."""
+        o = self.origin(step)
+        self.journal.write("step_reused", step=step.name, dir=step.dirname(), produced=o["produced"],
+                           produced_by=o["experiment"])  # fmt: skip
+        return self.result(step)
+
+    def outcome_origins(self) -> list[dict]:
+        """The origin of every result the predicted metric is computed from: its step and everything
+        upstream of it."""
+        name = self.exp.prediction.metric.partition(":")[0]
+        step = next((s for s in self.exp.all_steps() if s.name == name), None)
+        if step is None:
+            return []
+        seen, out = set(), []
+        for s in _closure(step):
+            if id(s) not in seen:
+                seen.add(id(s))
+                out.append(self.origin(s))
+        return out
+
     def run(self) -> dict:
         self.journal.declare(self.exp, [{"name": s.name, "dir": s.dirname()} for s in self.exp.all_steps()])
         steps = self.selected()
@@ -209,7 +244,9 @@ class Runner:
         if all(v == "SUCCESS" for v in summary["steps"].values()) and len(steps) == len(self.exp.all_steps()):
             # judged against the prediction on record before the first step started; a prediction
             # registered later is judged apart, and its verdict says it is post hoc
-            official, late = judge(self.journal.read(), self.exp.prediction, self.exp.outcome(results))
+            official, late = judge(
+                self.journal.read(), self.exp.prediction, self.exp.outcome(results), known=self.outcome_origins()
+            )
             for v in (official, late):
                 if v is not None:
                     self.journal.record_verdict(v)
@@ -229,7 +266,7 @@ class Runner:
         out = self.out(step)
         status_path = self.prefix / f"{step.dirname()}.status"
         if read_status(self.prefix, step) == "SUCCESS" and not forced:
-            return "SUCCESS", self.result(step)
+            return "SUCCESS", self._reused(step)
         self.prefix.mkdir(parents=True, exist_ok=True)
         lease = Lease(self.prefix / f"{step.dirname()}.lease", self.owner)
         waited = False
@@ -239,11 +276,11 @@ class Runner:
                 waited = True
             time.sleep(min(1.0, lease_timeout() / 10))
             if read_status(self.prefix, step) == "SUCCESS" and not forced:
-                return "SUCCESS", self.result(step)
+                return "SUCCESS", self._reused(step)
         try:
             before = read_status(self.prefix, step)
             if before == "SUCCESS" and not forced:  # finished by another runner while we waited
-                return "SUCCESS", self.result(step)
+                return "SUCCESS", self._reused(step)
             if lease.took_over:
                 self.journal.write("lease_taken_over", step=step.name, dir=step.dirname(), stale=lease.took_over)
             if forced and out.exists():  # keep the old output beside the new one: nothing is lost
@@ -296,6 +333,7 @@ class Runner:
                 self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
             provenance = {
                 "step": step.name,
+                "experiment": self.exp.name,  # who produced this result first (a reuse does not change it)
                 "identity": step.identity(),
                 "config": config,
                 "git": git_state(),

@@ -125,15 +125,33 @@ def record(events: list[dict]) -> dict:
     }
 
 
-def judge(events: list[dict], current, outcome: float | None) -> tuple[dict | None, dict | None]:
+def judge(
+    events: list[dict], current, outcome: float | None, known: list[dict] = ()
+) -> tuple[dict | None, dict | None]:
     """(the verdict against the pre-registered prediction, a post-hoc verdict against ``current``
-    when it is another prediction registered after the first step); either may be None."""
+    when it is another prediction registered after the first step); either may be None.
+
+    ``known``: when each result the outcome is computed from was produced, and by which experiment
+    (``Runner.outcome_origins``). A prediction is pre-registered only if it was on record before all
+    of them existed: a result reused from before it (another experiment's, or this one's under an
+    earlier prediction) makes the verdict POST-HOC, with the reason."""
     rec = record(events)
     official = None
     if rec["prediction"] is not None:
         p = rec["prediction"]
         official = {**verdict(Prediction(**p["prediction"]), outcome), "prediction_hash": p["hash"],
                     "prediction_version": p["version"], "pre_registered": True}  # fmt: skip
+        early = [k for k in known if k["produced"] < p["time"]]
+        if early:
+            named = ", ".join(
+                f"{k['step']} ({'by ' + k['experiment'] if k.get('experiment') else 'by an unknown run'}, "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(k['produced']))} UTC)"
+                for k in early
+            )
+            official.update(verdict=f"POST-HOC {official['verdict']}", pre_registered=False,
+                            why=f"{official['why']}; the outcome was known before the prediction was registered: "
+                                f"the results of {named} existed already",
+                            known_before=[k["step"] for k in early])  # fmt: skip
     late = None
     post = [p for p in rec["post_hoc_predictions"] if p["hash"] == current.digest()]
     if post and (rec["prediction"] is None or rec["prediction"]["hash"] != current.digest()):
