@@ -135,15 +135,27 @@ def main() -> None:
     print("\n" + table(out))
 
 
+# faults a check sees by construction: the fault changes the very number the check reads, so the catch
+# says the check is wired, not that it would see the problem the fault stands for
+BY_CONSTRUCTION = {
+    "lr_spike": "yes: it multiplies the applied rate, which lr_schedule compares with the plan",
+    "data_corruption": "partly: random tokens in the training batch raise the training loss loss_decreasing reads",
+    "token_noise": "partly: as data_corruption, for a share of the tokens",
+}
+
+
 def table(res: dict) -> str:
-    """The README's table and its false-positive line, from the results JSON."""
+    """The README's table and its false-positive line, from the results JSON (production thresholds)."""
     n = res["steps"]
-    lines = ["| fault (seed 0) | caught | first ALERT after the fault | every check that raised an ALERT (first step) |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = ["| fault (seed 0) | caught | first ALERT after the fault | every check that raised an ALERT (first step) "
+             "| caught by construction |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for f in res["faults"]:
         delay = "-" if f["delay_steps"] is None else f"{f['delay_steps']} steps ({f['delay_steps'] / n:.1%} of the run)"
         checks = ", ".join(f"{c} ({s})" for c, s in sorted(f["fired"].items(), key=lambda kv: kv[1])) or "none"
-        lines.append(f"| `{f['fault']}` | {'yes' if f['caught'] else 'no'} | {delay} | {checks} |")
+        kind = f["fault"].split("@")[0]
+        lines.append(f"| `{f['fault']}` | {'yes' if f['caught'] else 'no'} | {delay} | {checks} "
+                     f"| {BY_CONSTRUCTION.get(kind, 'no')} |")  # fmt: skip
     noisy = [r for r in res["clean"] if r["alerts"]]
     unseen = [r for r in res["unseen"] if r["alerts"]]
 

@@ -462,15 +462,15 @@ def check_run(run_dir, forecast: dict | None = None, ladder=None, scales=None) -
     step and evidence, first ALERT."""
     from pathlib import Path
 
+    from moelab.monitor.reference import reference_factors
     from moelab.train import optim
     from moelab.train.record import RunDir, load_run_config, read_jsonl
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     plan = RunDir(run_dir).read_lr_plan()  # the plan registered at the run's newest launch
-    if plan is None:  # a run from before plans were registered: its schedule as configured
-        h = optim.hyper(cfg)
-        plan = h.peak_lr * np.asarray(optim.lr_factor(np.arange(cfg.train.steps), h), np.float64)
+    if plan is None:  # a run from before plans were registered: its schedule as its definition reads
+        plan = optim.hyper(cfg).peak_lr * reference_factors(cfg.train)
     mon = check_records(
         read_jsonl(run_dir / "metrics.jsonl"),
         lambda s: plan[min(s, len(plan) - 1)],

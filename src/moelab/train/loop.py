@@ -26,6 +26,7 @@ from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.monitor.faults import Injector
 from moelab.monitor.health import HealthMonitor, ladder_from_forecast
+from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
 from moelab.progress import Progress, say
 from moelab.train import checkpoint, optim
@@ -322,8 +323,10 @@ class _Job:
             run.register_forecast("launch", step=self.start)
         forecast = run.verified_forecast()
         # the learning-rate plan, registered at launch: the rate each step should apply (a wrong config,
-        # lr_high, is in it); the health check holds the rate the optimiser applied against it
-        plan = self.h.peak_lr * np.asarray(optim.lr_factor(np.arange(steps), self.h), np.float64)
+        # lr_high, is in it); the health check holds the rate the optimiser applied against it. The plan
+        # is the schedule's definition written apart (monitor/reference.py), not optim.lr_factor, which
+        # sets the rate: a bug in that function shows instead of agreeing with itself
+        plan = self.h.peak_lr * reference_factors(cfg.train, steps)
         plan *= np.array([self.injector.plan_scale(x) for x in range(steps)])
         if jax.process_index() == 0:
             run.register_lr_plan(plan, start_step=self.start)
