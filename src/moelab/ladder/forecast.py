@@ -690,5 +690,7 @@ def calibration(
         "coverage_per_ladder": [float(x) for x in inside.mean(axis=1)],
         "mean_abs_error_past_20": float(np.mean(np.abs(errors[:, fractions > 0.2 + 1e-9]))),
         "final_half_width": float(np.median(finals)),
+        # what the band's width should match: the forecasts' own errors at the last point
+        "final_error_rms": float(np.sqrt(np.mean(errors[:, -1] ** 2))) if len(errors) else float("nan"),
         "noise": {k: noise[k] for k in ("rung", "point", "rho", "dof")},
     }
