@@ -509,3 +509,61 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(corpus, ep_run
     spans = [[e["batch_rows"] for e in read_jsonl(d / "events.jsonl") if e["event"] == "launch"][0]
              for d in (out, out / ".process-1")]  # fmt: skip
     assert spans == [[0, 4], [4, 8]]
+
+
+def test_ep_and_fsdp_training_equal_one_device_in_a_few_steps(corpus, tmp_path):
+    """The default run's version of the slow CLI checks above: three steps in this process (its 8 host
+    devices) on one device, with EP (1 x 8) and with FSDP (4 x 2): the same losses and held-out
+    losses."""
+    from moelab.config import load_config
+    from moelab.train.loop import train
+
+    sets = [*MICRO, "train.batch_size=8", "model.capacity_factor=4.0", "train.steps=3", "train.eval_every=3",
+            "train.checkpoint_every=1000", f"data.sources=[{corpus['code']}, {corpus['prose']}]"]  # fmt: skip
+    runs = {}
+    for name, mesh in (("one", []), ("ep", ["mesh.expert=8"]), ("fsdp", ["mesh.data=4", "mesh.expert=2"])):
+        train(load_config("tiny", sets + mesh), tmp_path / name, progress=False)
+        runs[name] = (_losses(tmp_path / name), _evals(tmp_path / name))
+        from moelab.train.record import read_jsonl
+
+        (launch,) = [e for e in read_jsonl(tmp_path / name / "events.jsonl") if e["event"] == "launch"]
+        want = {"one": None, "ep": {"data": 1, "expert": 8}, "fsdp": {"data": 4, "expert": 2}}[name]
+        assert launch["mesh"] == want, (name, launch["mesh"])  # really on the mesh
+    ref_losses, ref_evals = runs.pop("one")
+    assert len(ref_losses) == 3
+    for name, (losses, evals) in runs.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-4, err_msg=name)
+        for got, want in zip(evals, ref_evals, strict=True):
+            assert got == pytest.approx(want, abs=1e-4), name
+
+
+def test_two_processes_equal_one_in_two_steps(corpus, tmp_path):
+    """The default run's version of the slow two-process check: two processes of four devices each
+    (a coordinator on this machine), two steps, against one process of eight (this one)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from moelab.config import load_config
+    from moelab.train.loop import train
+
+    sets = [*MICRO, "train.batch_size=8", "model.capacity_factor=4.0", "train.checkpoint_every=1000",
+            "train.eval_every=0", "mesh.expert=8"]  # fmt: skip
+    train(load_config("tiny", [*sets, "train.steps=2", f"data.sources=[{corpus['code']}, {corpus['prose']}]"]),
+          tmp_path / "one", progress=False)  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "job"
+    cmd = [sys.executable, "-m", "moelab", "train", "tiny", "--out", str(out), "--steps", "2", "--quiet",
+           "--data", corpus["code"], "--data", corpus["prose"], "--devices", "4",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]  # fmt: skip
+    for o in sets:
+        cmd += ["--set", o]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=ROOT, env=dict(os.environ), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]  # fmt: skip
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    np.testing.assert_allclose(_losses(out), _losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    assert len(_losses(out)) == 2 and (out / ".process-1").is_dir()  # one writer, two processes

@@ -295,6 +295,7 @@ class _Job:
             versions=versions(),
             host=host(),
             devices=[str(d) for d in jax.devices()],
+            mesh=None if self.mesh is None else {k: int(v) for k, v in self.mesh.shape.items()},  # what the run used
             # the rows of each batch this process builds (all of them on one device)
             batch_rows=list(pmesh.local_rows((self.b, self.s_len + 1), self.mesh)) if self.mesh else [0, self.b],
             start_step=self.start,
