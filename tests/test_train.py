@@ -432,7 +432,54 @@ def test_trackers_mirror_the_metrics(corpus, tmp_path):
     assert b"train/loss" in tb.read_bytes() and b"eval/loss/macro" in tb.read_bytes()
     (wb,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"train/loss" in wb.read_bytes()
+    # per-layer series reach both trackers, one per layer
+    assert b"train/dropped_frac_per_layer/layer_0" in tb.read_bytes()
+    assert b"train/router_entropy_per_layer/layer_0" in wb.read_bytes()
     assert (out / "metrics.jsonl").exists()  # the local files are always written
+    run_id = (out / "wandb_id").read_text()
+    assert run_id in wb.name  # the W&B run is the one whose id the folder keeps
+
+
+def test_wandb_settings_come_from_the_config_then_the_environment_and_a_resume_keeps_the_id(tmp_path):
+    """Without a network: what wandb.init would be called with."""
+    from moelab.config import load_config
+    from moelab.train.trackers import _flat, wandb_settings
+
+    cfg = load_config("tiny")
+    s = wandb_settings(cfg, tmp_path / "a", env={})
+    assert (s["mode"], s["project"], s["entity"], s["resume"]) == ("offline", "moelab", None, None)
+    env = {"WANDB_MODE": "online", "WANDB_PROJECT": "lab", "WANDB_ENTITY": "team"}
+    s = wandb_settings(cfg, tmp_path / "a", env=env, tags=["exp24_x", "demo-target"])
+    assert (s["mode"], s["project"], s["entity"], s["tags"]) == ("online", "lab", "team", ["exp24_x", "demo-target"])
+    mine = load_config("tiny", ["train.tracker_mode=disabled", "train.tracker_project=p", "train.tracker_entity=e"])
+    s = wandb_settings(mine, tmp_path / "a", env=env)  # the config's own settings win over the environment
+    assert (s["mode"], s["project"], s["entity"]) == ("disabled", "p", "e")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "wandb_id").write_text("abc123\n")
+    s = wandb_settings(cfg, tmp_path / "b", env={})
+    assert (s["id"], s["resume"]) == ("abc123", "allow")  # a resumed run continues the same W&B run
+    assert wandb_settings(cfg, tmp_path / "c", env={})["id"] != wandb_settings(cfg, tmp_path / "d", env={})["id"]
+    flat = _flat({"dropped_frac_per_layer": [0.1, 0.2], "expert_load": [[1.0, 2.0]], "loss": {"mix": 3.0}})
+    assert flat == {"dropped_frac_per_layer/layer_0": 0.1, "dropped_frac_per_layer/layer_1": 0.2, "loss/mix": 3.0}
+
+
+def test_a_resumed_run_continues_its_wandb_run(corpus, tmp_path):
+    """A run stopped after two steps and resumed: one W&B id, kept in the folder, for both launches."""
+    from moelab.config import load_config
+    from moelab.train.loop import RunError, train
+    from moelab.train.trackers import make_trackers
+
+    out = tmp_path / "run"
+    cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}]", "train.steps=4", "train.eval_every=0",
+                               "train.checkpoint_every=2"])  # fmt: skip
+    calls = iter(range(100))
+    with pytest.raises(RunError):
+        train(cfg, out, progress=False, trackers=make_trackers(["wandb"], cfg, out), stop=lambda: next(calls) >= 2)
+    first = (out / "wandb_id").read_text()
+    train(None, out, resume=True, progress=False, trackers=make_trackers(["wandb"], cfg, out))
+    assert (out / "wandb_id").read_text() == first
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(first in r.name for r in runs)  # both launches log to the one W&B run
 
 
 @pytest.mark.slow  # ~35 s; the NaN restore-and-skip test stays in the default run

@@ -295,6 +295,13 @@ class TrainConfig:
     # with a joint-law forecast.json in the run: refit it with the run's own evaluations every this
     # fraction of the run (0 = never); updates are recorded beside the registered forecast, never over it
     forecast_update_every: float = 0.1
+    # trackers the metrics are mirrored to (wandb, tensorboard; `moelab train --tracker` adds to them),
+    # and W&B's project, entity and mode (online, offline, disabled); each left empty defers to the
+    # environment (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE), then to project "moelab", offline
+    trackers: tuple[str, ...] = ()
+    tracker_project: str = ""
+    tracker_entity: str = ""
+    tracker_mode: str = ""
 
     def check(self) -> list[str]:
         """Problems with the training fields: one line each."""
@@ -338,6 +345,11 @@ class TrainConfig:
             e.append(f"train.keep_steps: steps to checkpoint must lie in 1..train.steps={t.steps}, got {bad[0]!r}")
         if not 0.0 <= t.decay_frac <= 1.0:
             e.append(f"train.decay_frac: must be in [0, 1], got {t.decay_frac}")
+        bad = [x for x in t.trackers if x not in ("wandb", "tensorboard")]
+        if bad:
+            e.append(f"train.trackers: {', '.join(map(str, bad))} is not a tracker; use wandb or tensorboard")
+        if t.tracker_mode not in ("", "online", "offline", "disabled"):
+            e.append(f"train.tracker_mode: {t.tracker_mode!r}: use online, offline or disabled (or leave it empty)")
         if not 0.0 <= t.forecast_update_every <= 1.0:
             e.append(
                 f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
@@ -621,6 +633,10 @@ HASH_NEUTRAL = {
     ("model", "moe_impl"): "auto",
     ("train", "keep_steps"): (),
     ("train", "lr_scale"): 1.0,
+    ("train", "trackers"): (),  # where the metrics are mirrored changes nothing the run computes
+    ("train", "tracker_project"): "",
+    ("train", "tracker_entity"): "",
+    ("train", "tracker_mode"): "",
 }  # spill_choices changes what spill does: it is hashed
 
 

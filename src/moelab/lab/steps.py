@@ -42,9 +42,16 @@ def _train(cfg: dict, out: Path) -> dict:
             def stop() -> bool:
                 return lease.lost
 
+    config = _config(cfg)
+    trackers = []
+    if config.train.trackers:  # mirrored live, tagged with the experiment and the step
+        from moelab.train.trackers import make_trackers
+
+        tags = [running.journal.path.parent.name, running.step] if running is not None else []
+        trackers = make_trackers([], config, out, tags=tags)
     # resume=True: a rerun of a failed step continues from its newest checkpoint
-    return train(_config(cfg), out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
-                 stop=stop)  # fmt: skip
+    return train(config, out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
+                 stop=stop, trackers=trackers)  # fmt: skip
 
 
 def _estimate(cfg: dict) -> dict:

@@ -31,7 +31,8 @@ from moelab.errors import RunRefused
 MAY_CHANGE = {
     "train.steps", "train.replans", "train.decay_frac", "train.min_lr_ratio", "train.eval_every",
     "train.log_every", "train.checkpoint_every", "train.keep_last", "train.keep_every", "train.keep_steps",
-    "train.forecast_update_every",
+    "train.forecast_update_every", "train.trackers", "train.tracker_project", "train.tracker_entity",
+    "train.tracker_mode",
 }  # fmt: skip
 
 

@@ -211,6 +211,8 @@ def train(
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
     if resume and (done := _finished(run, cfg)) is not None:
+        for t in trackers:
+            t.close()
         return done
     cfg = _check_resume(run, cfg, resume)
     from moelab.model.transformer import backend_problems
