@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moelab.cli import main
@@ -203,9 +204,10 @@ def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypat
     assert len(taken) == 1 and len(lost) == 1 and taken[0]["time"] < finished[0]["time"] < lost[0]["time"]
     status = json.loads((prefix / f"{a.dirname()}.status").read_text())
     assert status["status"] == "SUCCESS" and status["owner"] != lost[0]["owner"]  # B's
-    assert (prefix / a.dirname() / "outcome.json").exists()
-    aside = list((prefix / a.dirname()).glob("outcome.lost-*.json"))
-    assert [p.name for p in aside] == [lost[0]["set_aside"]]
+    committed = json.loads((prefix / a.dirname() / "provenance.json").read_text())
+    (attempt,) = [d for d in (prefix / f"{a.dirname()}.attempts").iterdir()]  # A's, never committed
+    assert lost[0]["set_aside"] == f"{a.dirname()}.attempts/{attempt.name}" and committed["attempt"] != attempt.name
+    assert json.loads((attempt / "provenance.json").read_text())["attempt"] == attempt.name  # A wrote only there
     assert not (prefix / f"{a.dirname()}.lease").exists()  # released by its owner, not by A
 
 
@@ -347,3 +349,75 @@ def test_a_genuine_prediction_stays_confirmed_when_its_own_results_are_reused(tm
         assert v["verdict"] == "CONFIRMED" and v["pre_registered"], v
     journal = Journal(prefix / "experiments" / "exp31_c" / "journal.jsonl").read()
     assert [e["produced_by"] for e in journal if e["event"] == "step_reused"] == ["exp31_c"]
+
+
+# ------------------------------------------------------------------ a lost lease stops all writes (item 3)
+
+TRAINING = """
+from moelab.lab import Experiment, Prediction
+from moelab.lab.steps import train_step
+
+t = train_step("t", "tiny", SETS, progress=False)
+experiment = Experiment(issue=32, slug="fenced", title="t", goal="g", hypothesis="h",
+    prediction=Prediction(metric="t:final_loss", value=5, low=0, high=100), steps=[t])
+"""
+
+
+def test_a_training_step_frozen_mid_save_writes_nothing_the_new_owner_reads(corpus, tmp_path, monkeypatch):
+    """Runner A freezes itself (SIGSTOP) inside the checkpoint save at step 4 of a real 6-step training
+    step, past the lease timeout; runner B takes the step over, resumes from A's last finished
+    checkpoint (step 2) in an attempt folder of its own and commits; A, woken (SIGCONT), finishes
+    its save and its step in its own folder, finds the lease gone and stops. One outcome, B's
+    metrics and checkpoints intact and equal to an uninterrupted run's, the journal telling both."""
+    import os
+    import signal
+    import time
+
+    from conftest import MICRO
+    from moelab.config import load_config
+    from moelab.train.loop import train
+    from moelab.train.record import read_jsonl
+    from test_executor import _run_cli
+
+    sets = [*MICRO, f"data.sources=[{corpus['code']}]", "train.steps=6", "train.checkpoint_every=2",
+            "train.eval_every=6", "train.forecast_update_every=0"]  # fmt: skip
+    exp_path, prefix = tmp_path / "exp32_fenced.py", tmp_path / "lab"
+    exp_path.write_text(TRAINING.replace("SETS", repr(sets)))
+    monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
+    first = _run_cli(exp_path, prefix, {"MOELAB_TEST_FAULTS": "stop_in_save@4"})
+    deadline = time.time() + 300
+    while True:  # until A has frozen itself
+        state = open(f"/proc/{first.pid}/stat").read().split(")")[-1].split()[0]
+        if state == "T":
+            break
+        assert time.time() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.1)
+    try:
+        time.sleep(3)  # past the timeout: A's lease is stale
+        second = _run_cli(exp_path, prefix, {})
+        _, err = second.communicate(timeout=300)
+        assert second.returncode == 0, err[-2000:]
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    first.communicate(timeout=300)
+    (step,) = load_experiment(exp_path).all_steps()
+    out = prefix / step.dirname()
+    events = Journal(prefix / "experiments" / "exp32_fenced" / "journal.jsonl").read()
+    assert len([e for e in events if e["event"] == "step_finished"]) == 1  # one outcome
+    (taken,) = [e for e in events if e["event"] == "lease_taken_over"]
+    (resumed,) = [e for e in events if e["event"] == "step_resumed"]
+    (failed,) = [e for e in events if e["event"] == "step_failed"]  # A, woken: the lease is gone, it stops
+    assert failed["lease_lost"] and failed["attempt"] == resumed["from_attempt"] != resumed["attempt"]
+    status = json.loads((prefix / f"{step.dirname()}.status").read_text())
+    assert status["status"] == "SUCCESS" and status["owner"] != failed["owner"]
+    # B's files: every step once, equal to an uninterrupted run (A's last writes went to its own folder)
+    train(load_config("tiny", sets), tmp_path / "straight", progress=False)
+    ref = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if r["kind"] == "train"]
+    got = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=0, atol=1e-6)
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith(".")) == [
+        "step_00000004", "step_00000006"]  # fmt: skip
+    a_folder = prefix / f"{step.dirname()}.attempts" / failed["attempt"]
+    assert (a_folder / "ckpt" / "step_00000004").is_dir()  # A's save finished, in A's folder
+    assert json.loads((out / "outcome.json").read_text())["run"] == str(out)

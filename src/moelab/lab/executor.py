@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -34,6 +35,44 @@ def _write_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def _seed(attempt: Path, previous: Path | None) -> None:
+    """Start an attempt folder from the newest earlier attempt (a training step resumes from its
+    checkpoints): finished checkpoint files are linked (never written again), everything else is
+    copied. The earlier attempt's runner may still be writing (it lost its lease but does not know
+    yet): whatever vanishes or changes during the copy is its, and a checkpoint it had not finished
+    (``*.partial``) is not taken."""
+    attempt.mkdir(parents=True, exist_ok=True)
+    if previous is None or not previous.is_dir():
+        return
+    for src in sorted(previous.rglob("*")):
+        rel = src.relative_to(previous)
+        if any(part.endswith(".partial") for part in rel.parts) or rel.name.startswith("outcome.lost-"):
+            continue
+        dst = attempt / rel
+        try:
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+            elif rel.parts[0] == "ckpt":
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src, dst)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+        except (FileNotFoundError, FileExistsError):
+            continue
+
+
+def _rebase(obj, old: str, new: str):
+    """``obj`` with every string that starts with the path ``old`` starting with ``new`` instead."""
+    if isinstance(obj, str):
+        return new + obj[len(old) :] if obj == old or obj.startswith(old + "/") else obj
+    if isinstance(obj, dict):
+        return {k: _rebase(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebase(v, old, new) for v in obj]
+    return obj
 
 
 def read_status(prefix: Path, step: Step) -> str:
@@ -120,6 +159,18 @@ class Lease:
                     self.lost = True
                     return
                 self._write()
+
+    def commit(self, action) -> bool:
+        """Run ``action`` (the rename that makes an attempt the step's output) only while still the
+        owner on record, under the lock a takeover needs: no takeover can slip between the check and
+        the rename. False, and nothing done, when the lease was lost."""
+        with self._locked():
+            held = self._read()
+            if held is None or held.get("owner") != self.owner:
+                self.lost = True
+                return False
+            action()
+            return True
 
     def release(self) -> None:
         self._stop.set()
@@ -289,18 +340,29 @@ class Runner:
                 self.journal.write("step_forced", step=step.name, dir=step.dirname(), previous_output=old.name)
                 before = "PENDING"
             kind = "step_resumed" if before in ("FAILED", "RUNNING") else "step_started"
+            # every attempt writes into a folder of its own; only the owner's commit (one rename, under
+            # the lease) makes it the step's output, so a runner that lost its lease writes nothing the
+            # new owner reads (fencing). A resumed step starts from the newest earlier attempt's files.
+            attempts = self.prefix / f"{step.dirname()}.attempts"
+            attempt = attempts / re.sub(r"[^A-Za-z0-9_.-]", "-", self.owner)
+            earlier = [d for d in attempts.glob("*") if d.is_dir() and d != attempt] if attempts.is_dir() else []
+            if out.is_dir() and before != "SUCCESS":  # a step left by a runner from before attempt folders
+                earlier.append(out)
+            resuming = before in ("FAILED", "RUNNING")  # a fresh or forced step starts from nothing
+            previous = max(earlier, key=lambda d: d.stat().st_mtime) if earlier and resuming else None
             _write_atomic(status_path, {"status": "RUNNING", "owner": self.owner, "time": time.time()})
-            self.journal.write(kind, step=step.name, dir=step.dirname(), previous=before)
+            self.journal.write(kind, step=step.name, dir=step.dirname(), previous=before, attempt=attempt.name,
+                               **({"from_attempt": previous.name} if previous is not None else {}))  # fmt: skip
             self.log(f"  {step.name}: {'resuming' if kind == 'step_resumed' else 'running'} into {out}")
-            out.mkdir(parents=True, exist_ok=True)
+            _seed(attempt, previous)
             config = resolve(step.config, lambda s: str(self.out(s)))
             started = time.time()
             running = RUNNING.set(Running(self.journal, step.name, step.dirname(), lease))
             try:
-                outcome = (call or step.fn)(config, out)
+                outcome = (call or step.fn)(config, attempt)
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
                 tb = traceback.format_exc()
-                (out / "error.txt").write_text(tb)
+                (attempt / "error.txt").write_text(tb)
                 held = lease.holds()  # a runner that lost the lease leaves the status to the one that has it
                 if held:
                     _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
@@ -310,6 +372,7 @@ class Runner:
                     dir=step.dirname(),
                     error=f"{type(exc).__name__}: {exc}",
                     traceback=tb,
+                    attempt=attempt.name,
                     **({} if held else {"lease_lost": True, "owner": self.owner}),
                 )
                 self.log(f"  {step.name}: FAILED ({type(exc).__name__}: {exc})")
@@ -318,19 +381,9 @@ class Runner:
                 return "FAILED", None
             finally:
                 RUNNING.reset(running)
-            outcome = dict(outcome or {})
-            if not lease.holds():  # another runner took the step over while this one stalled: it commits, not us
-                aside = out / f"outcome.lost-{self.owner.replace(':', '-')}.json"
-                _write_atomic(aside, {"outcome": outcome, "start": started, "end": time.time(), "owner": self.owner})
-                self.journal.write("lease_lost", step=step.name, dir=step.dirname(), owner=self.owner,
-                                   note="taken over while this runner stalled; its outcome was set aside, not committed",
-                                   set_aside=aside.name)  # fmt: skip
-                self.log(f"  {step.name}: lease lost to another runner; outcome set aside in {aside.name}")
-                now = read_status(self.prefix, step)
-                return (now, self.result(step)) if now == "SUCCESS" else ("FAILED", None)
-            for entry in outcome.pop("journal", []):  # registrations, before anything downstream starts
-                entry = dict(entry)
-                self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
+            # what names the attempt folder names the step's output once committed
+            outcome = _rebase(dict(outcome or {}), str(attempt), str(out))
+            entries = outcome.pop("journal", [])
             provenance = {
                 "step": step.name,
                 "experiment": self.exp.name,  # who produced this result first (a reuse does not change it)
@@ -339,15 +392,32 @@ class Runner:
                 "git": git_state(),
                 "versions": versions(),
                 "host": host(),
+                "attempt": attempt.name,
                 "start": started,
                 "end": time.time(),
             }
-            _write_atomic(out / "provenance.json", provenance)
-            _write_atomic(out / "outcome.json", outcome or {})
-            _write_atomic(status_path, {"status": "SUCCESS", "owner": self.owner, "time": time.time()})
+            _write_atomic(attempt / "provenance.json", provenance)
+            _write_atomic(attempt / "outcome.json", outcome)
+
+            def commit() -> None:
+                if out.exists():  # a partial output of the old layout, or a forced step's: kept aside, not lost
+                    os.rename(out, out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+                os.rename(attempt, out)
+                _write_atomic(status_path, {"status": "SUCCESS", "owner": self.owner, "time": time.time()})
+
+            if not lease.commit(commit):  # another runner took the step over while this one stalled
+                self.journal.write("lease_lost", step=step.name, dir=step.dirname(), owner=self.owner,
+                                   note="taken over while this runner stalled; its attempt was not committed",
+                                   set_aside=f"{attempts.name}/{attempt.name}")  # fmt: skip
+                self.log(f"  {step.name}: lease lost to another runner; its attempt stays in {attempt}")
+                now = read_status(self.prefix, step)
+                return (now, self.result(step)) if now == "SUCCESS" else ("FAILED", None)
+            for entry in entries:  # registrations, before anything downstream starts
+                entry = dict(entry)
+                self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
             self.journal.write("step_finished", step=step.name, dir=step.dirname(), seconds=time.time() - started)
             self.log(f"  {step.name}: done in {time.time() - started:.1f}s")
-            return "SUCCESS", outcome or {}
+            return "SUCCESS", outcome
         finally:
             lease.release()
 

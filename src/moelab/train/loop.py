@@ -45,7 +45,9 @@ from moelab.train.record import (
 from moelab.train.schedule import eval_points  # noqa: F401 - importable from here
 from moelab.train.step import init_train_state, make_train_step
 
-FAULT_ENV = "MOELAB_TEST_FAULTS"  # testing aid: "kill@STEP,kill_in_save@STEP", each fires once per run
+# testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop
+# freezes the process (SIGSTOP) where kill ends it, for a test to wake it (SIGCONT) later
+FAULT_ENV = "MOELAB_TEST_FAULTS"
 
 
 def _fault_hook(run: RunDir):
@@ -61,10 +63,11 @@ def _fault_hook(run: RunDir):
     def hook(point: str, step: int) -> None:
         fired = json.loads(fired_path.read_text()) if fired_path.exists() else []
         for kind, at in faults:
-            if at == step and [kind, at] not in fired and kind == {"step": "kill", "in_save": "kill_in_save"}[point]:
+            kinds = {"step": ("kill", "stop"), "in_save": ("kill_in_save", "stop_in_save")}[point]
+            if at == step and [kind, at] not in fired and kind in kinds:
                 fired.append([kind, at])
                 fired_path.write_text(json.dumps(fired))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if kind.startswith("stop") else signal.SIGKILL)
 
     return hook
 
