@@ -386,6 +386,7 @@ def test_refuses_to_overwrite_and_to_resume_with_another_config(corpus, tmp_path
     assert "model.top_k" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~30 s; training is checked by default by test_tiny_overfits_one_batch and the demo's test
 def test_training_lowers_held_out_loss_on_every_domain(tmp_path):
     cfg = load_config(
         "tiny",
