@@ -363,28 +363,44 @@ experiment = Experiment(issue=32, slug="fenced", title="t", goal="g", hypothesis
 """
 
 
-def test_a_training_step_frozen_mid_save_writes_nothing_the_new_owner_reads(corpus, tmp_path, monkeypatch):
-    """Runner A freezes itself (SIGSTOP) inside the checkpoint save at step 4 of a real 6-step training
-    step, past the lease timeout; runner B takes the step over, resumes from A's last finished
-    checkpoint (step 2) in an attempt folder of its own and commits; A, woken (SIGCONT), finishes
-    its save and its step in its own folder, finds the lease gone and stops. One outcome, B's
+@pytest.fixture(scope="module")
+def straight_run(corpus, tmp_path_factory):
+    """The 6-step training step's run, uninterrupted: what a taken-over step must equal."""
+    from moelab.config import load_config
+    from moelab.train.loop import train
+
+    out = tmp_path_factory.mktemp("straight") / "run"
+    train(load_config("tiny", _fenced_sets(corpus)), out, progress=False)
+    return out
+
+
+def _fenced_sets(corpus) -> list[str]:
+    from conftest import MICRO
+
+    return [*MICRO, f"data.sources=[{corpus['code']}]", "train.steps=6", "train.checkpoint_every=2",
+            "train.eval_every=6", "train.forecast_update_every=0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("freeze", ["stop@3", "stop_in_save@4"], ids=["mid-step", "mid-save"])
+def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads(
+    corpus, tmp_path, monkeypatch, straight_run, freeze
+):
+    """Runner A freezes itself (SIGSTOP) in a real 6-step training step, between its steps (at step 3)
+    or inside the checkpoint save at step 4, past the lease timeout; runner B takes the step over,
+    resumes from A's last finished checkpoint (step 2) in an attempt folder of its own and commits;
+    A, woken (SIGCONT), goes on in its own folder, finds the lease gone and stops. One outcome, B's
     metrics and checkpoints intact and equal to an uninterrupted run's, the journal telling both."""
     import os
     import signal
     import time
 
-    from conftest import MICRO
-    from moelab.config import load_config
-    from moelab.train.loop import train
     from moelab.train.record import read_jsonl
     from test_executor import _run_cli
 
-    sets = [*MICRO, f"data.sources=[{corpus['code']}]", "train.steps=6", "train.checkpoint_every=2",
-            "train.eval_every=6", "train.forecast_update_every=0"]  # fmt: skip
     exp_path, prefix = tmp_path / "exp32_fenced.py", tmp_path / "lab"
-    exp_path.write_text(TRAINING.replace("SETS", repr(sets)))
+    exp_path.write_text(TRAINING.replace("SETS", repr(_fenced_sets(corpus))))
     monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
-    first = _run_cli(exp_path, prefix, {"MOELAB_TEST_FAULTS": "stop_in_save@4"})
+    first = _run_cli(exp_path, prefix, {"MOELAB_TEST_FAULTS": freeze})
     deadline = time.time() + 300
     while True:  # until A has frozen itself
         state = open(f"/proc/{first.pid}/stat").read().split(")")[-1].split()[0]
@@ -411,13 +427,17 @@ def test_a_training_step_frozen_mid_save_writes_nothing_the_new_owner_reads(corp
     status = json.loads((prefix / f"{step.dirname()}.status").read_text())
     assert status["status"] == "SUCCESS" and status["owner"] != failed["owner"]
     # B's files: every step once, equal to an uninterrupted run (A's last writes went to its own folder)
-    train(load_config("tiny", sets), tmp_path / "straight", progress=False)
-    ref = [r for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl") if r["kind"] == "train"]
+    ref = [r for r in read_jsonl(straight_run / "metrics.jsonl") if r["kind"] == "train"]
     got = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=0, atol=1e-6)
     assert sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith(".")) == [
         "step_00000004", "step_00000006"]  # fmt: skip
     a_folder = prefix / f"{step.dirname()}.attempts" / failed["attempt"]
-    assert (a_folder / "ckpt" / "step_00000004").is_dir()  # A's save finished, in A's folder
+    a_train = [r["step"] for r in read_jsonl(a_folder / "metrics.jsonl") if r["kind"] == "train"]
+    if freeze.startswith("stop_in_save"):
+        assert (a_folder / "ckpt" / "step_00000004").is_dir()  # A's save finished, in A's folder
+        assert a_train[-1] >= 4
+    else:
+        assert a_train[-1] >= 3  # A's step in flight landed in its own metrics, not in B's
     assert json.loads((out / "outcome.json").read_text())["run"] == str(out)
