@@ -403,6 +403,8 @@ class Runner:
                 if out.exists():  # a partial output of the old layout, or a forced step's: kept aside, not lost
                     os.rename(out, out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
                 os.rename(attempt, out)
+                with contextlib.suppress(OSError):  # no other attempt left: no empty folder beside the output
+                    attempts.rmdir()
                 _write_atomic(status_path, {"status": "SUCCESS", "owner": self.owner, "time": time.time()})
 
             if not lease.commit(commit):  # another runner took the step over while this one stalled
