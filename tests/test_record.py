@@ -441,3 +441,4 @@ def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads
     else:
         assert a_train[-1] >= 3  # A's step in flight landed in its own metrics, not in B's
     assert json.loads((out / "outcome.json").read_text())["run"] == str(out)
+    assert json.loads((out / "summary.json").read_text())["run"] == str(out)  # the committed folder, not B's attempt

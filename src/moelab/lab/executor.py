@@ -398,6 +398,10 @@ class Runner:
             }
             _write_atomic(attempt / "provenance.json", provenance)
             _write_atomic(attempt / "outcome.json", outcome)
+            summary = attempt / "summary.json"  # a training run's summary names its folder too
+            if summary.is_file():
+                with contextlib.suppress(ValueError):
+                    _write_atomic(summary, _rebase(json.loads(summary.read_text()), str(attempt), str(out)))
 
             def commit() -> None:
                 if out.exists():  # a partial output of the old layout, or a forced step's: kept aside, not lost
