@@ -18,6 +18,7 @@ from moelab.config import load_config, replace
 from moelab.data import sources as S
 from moelab.data import store as store_mod
 from moelab.data.mixture import batch_at, batch_rows, build_mixture
+from moelab.data import tokenizer as T
 from moelab.data.store import build_store, train_tokenizer
 
 
@@ -30,11 +31,12 @@ def test_tokenizer_round_trip_non_ascii():
 
 
 def test_stdlib_has_several_domains_with_documents():
-    (src,) = S.resolve(["stdlib"])
-    assert src.domains == S.STDLIB_DOMAINS
+    domains = S.resolve(["stdlib"])
+    assert tuple(d.name for d in domains) == S.STDLIB_DOMAINS
     seen = {}
-    for doc in S.iter_documents(src):
-        seen[doc.domain] = seen.get(doc.domain, 0) + 1
+    for dom in domains:
+        for doc in S.iter_documents(dom):
+            seen[doc.domain] = seen.get(doc.domain, 0) + 1
     assert set(seen) == set(S.STDLIB_DOMAINS) and min(seen.values()) > 50
 
 
@@ -56,8 +58,8 @@ def test_store_is_built_once_and_rebuilt_when_an_input_changes(corpus, tmp_path,
         (code / p.name).write_text(p.read_text())
     cfg = load_config("tiny", [f"data.sources=[{code}, {corpus['prose']}]", "model.vocab_size=512"])
     calls = []
-    real = store_mod.train_tokenizer
-    monkeypatch.setattr(store_mod, "train_tokenizer", lambda *a: calls.append(1) or real(*a))
+    real = T.train
+    monkeypatch.setattr(T, "train", lambda *a: calls.append(1) or real(*a))
     first = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
     again = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
     assert again.path == first.path and len(calls) == 1
@@ -69,10 +71,10 @@ def test_store_is_built_once_and_rebuilt_when_an_input_changes(corpus, tmp_path,
     assert changed.path != first.path and len(calls) == 2
     # documents are stored in full, each followed by EOT
     tok = changed.tokenizer()
-    doc = json.loads((changed.path / "documents.jsonl").read_text().splitlines()[0])
+    doc = changed.documents()[0]
     ids = np.asarray(changed.tokens[doc["start"] : doc["start"] + doc["tokens"]])
     assert ids[-1] == changed.eot
-    assert tok.decode(ids[:-1].tolist()) == (code / doc["id"]).read_text()
+    assert tok.decode(ids[:-1].tolist()) == (code / changed.doc_name(doc).split("#")[0]).read_text()
 
 
 def test_jsonl_gz_and_parquet_sources(tmp_path):
@@ -85,10 +87,10 @@ def test_jsonl_gz_and_parquet_sources(tmp_path):
         for t in texts:
             fh.write(json.dumps({"body": t}) + "\n")
     pq.write_table(pa.table({"body": texts}), tmp_path / "table.parquet")
-    srcs = S.resolve([str(gz), str(tmp_path / "table.parquet")])
-    assert [s.domains for s in srcs] == [("notes",), ("table",)]
-    for src in srcs:
-        assert [d.text for d in S.iter_documents(src, "body")] == texts
+    domains = S.resolve([str(gz), str(tmp_path / "table.parquet")], text_field="body")
+    assert [d.name for d in domains] == ["notes", "table"]
+    for dom in domains:
+        assert [d.text for d in S.iter_documents(dom)] == texts
 
 
 def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
@@ -109,7 +111,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, str]]:
     data = (tmp_path / "whole.parquet").read_bytes()
     (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
     return [
-        (str(empty), f"{empty}: no UTF-8 text files among 0 files"),
+        (str(empty), f"{empty}: no files to read among 0 files"),
         (str(latin), f"{latin}: no UTF-8 text files among 2 files (2 binary or not UTF-8: bad.txt, image.png)"),
         (str(notjson), f"{notjson}:3: not valid JSON"),
         (str(nofield), f"{nofield}:2: no 'text' field"),
@@ -231,15 +233,19 @@ def test_unknown_domain_in_mixture_is_named(corpus):
 
 
 def test_a_failure_while_tokenizing_leaves_no_store(corpus, tmp_path, monkeypatch):
-    cfg = data_cfg(corpus)
+    cfg = data_cfg(corpus, "data.workers=1")  # tokenized in this process, where the failure is planted
 
     def broken(*args):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(store_mod, "_encode", broken)
+    monkeypatch.setattr(T, "encode", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
-    assert not list((tmp_path / "cache").glob("*"))  # neither a complete store nor a temporary one
+    # neither a complete store nor a temporary one; the build's folder stays, for the next build to resume
+    assert not list((tmp_path / "cache").glob("store-*")) and not list((tmp_path / "cache").glob(".tmp-*"))
+    monkeypatch.undo()
+    assert build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False).domains == ["code", "prose"]
+    assert not list((tmp_path / "cache").glob(".build-*"))
 
 
 def test_more_bad_inputs_are_one_line_errors(tmp_path):
@@ -278,9 +284,9 @@ def test_cheaders_is_three_domains_of_the_compilers_headers(tmp_path, monkeypatc
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(text if isinstance(text, bytes) else text.encode())
     monkeypatch.setattr(S, "cheaders_root", lambda: root)
-    (src,) = S.resolve(["cheaders"])
-    assert src.domains == S.CHEADERS_DOMAINS
-    docs = {(d.domain, d.doc_id) for d in S.iter_documents(src)}
+    domains = S.resolve(["cheaders"])
+    assert tuple(d.name for d in domains) == S.CHEADERS_DOMAINS
+    docs = {(d.domain, d.doc_id) for dom in domains for d in S.iter_documents(dom)}
     assert docs == {
         ("cheaders-libc", "stdio.h"),
         ("cheaders-libc", "x86_64-linux-gnu/bits/types.h"),
@@ -312,41 +318,40 @@ def _decoded(store, domain: str, split: str) -> str:
 
 
 def test_one_document_is_cut_by_position_so_part_of_it_is_held_out(corpus, tmp_path):
-    """A corpus that is one document (a book, a dump): cut into pieces in order; the pieces held
-    out and those trained on together give back the whole text, and neither side is empty."""
+    """A corpus that is one document (a book, a dump): hashing cannot hold part of it out, so the
+    domain is cut by position: its last ceil(f x tokens) tokens are held out; the two sides together
+    give back the whole text."""
     text = Path(corpus["code"], "textwrap.py").read_text() * 3
     book = tmp_path / "book.jsonl"
     book.write_text(json.dumps({"text": text}) + "\n")
-    cfg = load_config("tiny", [f"data.sources=[{book}]", "model.vocab_size=512"])
+    cfg = load_config("tiny", [f"data.sources=[{book}]", "model.vocab_size=512", "data.held_out_fraction=0.05"])
     store = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
-    docs = [json.loads(x) for x in (store.path / "documents.jsonl").read_text().splitlines()]
-    assert store_mod.SINGLE_DOC_PIECES <= len(docs) <= 2 * store_mod.SINGLE_DOC_PIECES  # cut after newlines
-    pieces = sorted(docs, key=lambda d: int(d["id"].rsplit("#", 1)[1]))
+    train, held = store.stream("book", "train"), store.stream("book", "heldout")
+    assert store.manifest["stats"]["book"]["split"] == "position"
+    assert len(held) == int(np.ceil(0.05 * (len(train) + len(held))))
     tok = store.tokenizer()
-    joined = "".join(
-        tok.decode([int(i) for i in store.tokens[d["start"] : d["start"] + d["tokens"]] if int(i) != store.eot])
-        for d in pieces
-    )
-    assert joined == text  # nothing lost, nothing doubled, in order
-    assert store.manifest["stats"]["book"]["heldout"]["documents"] >= 1
-    assert store.manifest["stats"]["book"]["train"]["documents"] >= 1
+    joined = np.concatenate([train, held])
+    assert joined[-1] == store.eot and tok.decode(joined[:-1].tolist()) == text  # nothing lost or doubled, in order
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text(json.dumps({"text": "too short to split"}) + "\n")
-    with pytest.raises(S.DataError, match=r"tiny.jsonl.*too little text"):
-        build_store(load_config("tiny", [f"data.sources=[{tiny}]"]).data, 512, cache=tmp_path / "c2", progress=False)
+    small = load_config("tiny", [f"data.sources=[{tiny}]"])
+    store = build_store(small.data, 512, cache=tmp_path / "c2", progress=False)
+    with pytest.raises(S.DataError, match=r"tiny: only \d+ training tokens, fewer than model.seq_len"):
+        build_mixture(small, store)
 
 
 def test_a_long_document_is_cut_into_pieces_at_line_ends(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "MAX_PIECE_CHARS", 4000)
     long = Path(corpus["code"], "textwrap.py").read_text()
-    pieces = list(store_mod._pieces(S.Document("d", "x", long), 4000))
+    pieces = list(S.pieces(S.Document("d", "x", long), 4000))
     assert len(pieces) >= len(long) // 4000 and "".join(p.text for p in pieces) == long
     assert all(len(p.text) <= 4000 for p in pieces) and all(p.text.endswith("\n") for p in pieces[:-1])
     assert [p.doc_id for p in pieces[:2]] == ["x#0", "x#1"]
-    cfg = data_cfg(corpus)
+    monkeypatch.setattr(S, "MAX_PIECE_CHARS", 4000)
+    cfg = data_cfg(corpus, "data.workers=1")  # in this process, where the smaller pieces are set
     store = build_store(cfg.data, 512, cache=tmp_path / "cache", progress=False)
-    ids = [json.loads(x)["id"] for x in (store.path / "documents.jsonl").read_text().splitlines()]
-    assert any(i.endswith("#1") for i in ids)  # the longer library files were cut
+    files = sum(len(u["files"]) for u in store.manifest["units"])
+    docs = store.documents()
+    assert len(docs) > files and docs["tokens"].max() < 4000  # the longer library files were cut
 
 
 def test_an_interrupted_build_is_cleaned_up_by_the_next(corpus, tmp_path):
@@ -358,7 +363,7 @@ def test_an_interrupted_build_is_cleaned_up_by_the_next(corpus, tmp_path):
     dead.wait()
     stale = cache / f".tmp-store-abc-{dead.pid}"
     (stale / "x").mkdir(parents=True)
-    live = cache / f".tmp-store-abc-{os.getpid()}"  # a build still running (this process)
+    live = cache / f".tmp-store-abc-{os.getpid()}"  # an assembly still running (this process)
     live.mkdir()
     build_store(data_cfg(corpus).data, 512, cache=cache, progress=False)
     assert not stale.exists() and live.exists()
@@ -376,21 +381,20 @@ def test_a_directory_source_reads_every_text_file_by_content_and_takes_globs(tmp
     (code / ".git" / "config").write_text("[core]\n")
     (code / "blob.bin").write_bytes(b"\x7fELF\0\0\0\x01 valid UTF-8, but binary")
     (code / "old.txt").write_bytes("caf\xe9".encode("latin-1"))
-    (src,) = S.resolve([str(code)])
+    (dom,) = S.resolve([str(code)])
     skipped: list = []
-    docs = {d.doc_id: d.text for d in S.iter_documents(src, skipped=skipped)}
+    docs = {d.doc_id: d.text for d in S.iter_documents(dom, left_out=skipped)}
     assert docs == {
         "Makefile": "all:\n",
         "a.pl": "print 'hi';\n",
         "src/b.rs": "fn main() {}\n",
         "src/c.go": "package main\n",
     }
-    assert sorted(p.name for p in skipped) == ["blob.bin", "old.txt"]
-    (src,) = S.resolve([str(code)], include=("*.rs", "*.go"), exclude=("src/c.*",))
-    assert [d.doc_id for d in S.iter_documents(src)] == ["src/b.rs"]
-    (src,) = S.resolve([str(code)], include=("*.java",))
-    with pytest.raises(S.DataError, match=r"no UTF-8 text files among 0 files include \['\*.java'\]"):
-        list(S.iter_documents(src))
+    assert sorted(skipped) == ["blob.bin", "old.txt"]
+    (dom,) = S.resolve([str(code)], include=("*.rs", "*.go"), exclude=("src/c.*",))
+    assert [d.doc_id for d in S.iter_documents(dom)] == ["src/b.rs"]
+    with pytest.raises(S.DataError, match=r"no files to read among 0 files include \['\*.java'\]"):
+        S.resolve([str(code)], include=("*.java",))
     cfg = load_config("tiny", [f"data.sources=[{code}]", "data.include=['*.rs', '*.go']"])
     assert cfg.data.include == ("*.rs", "*.go")
     with pytest.raises(Exception, match=r"data.exclude: a list of file globs"):
@@ -406,12 +410,12 @@ def test_a_large_file_is_read_as_a_stream_into_the_same_pieces(tmp_path, monkeyp
     root.mkdir()
     (root / "big.txt").write_text(text, encoding="utf-8")
     (root / "small.txt").write_text("short\n")
-    expect = [(p.doc_id, p.text) for p in store_mod._pieces(S.Document("big", "big.txt", text), 3000)]
+    expect = [(p.doc_id, p.text) for p in S.pieces(S.Document("big", "big.txt", text), 3000)]
     monkeypatch.setattr(S, "STREAM_BYTES", 10_000)
     monkeypatch.setattr(S, "MAX_PIECE_CHARS", 3000)
     got = [(d.doc_id, d.text) for d in S.iter_documents(S.resolve([str(root)])[0]) if d.doc_id != "small.txt"]
     assert got == expect and len(got) > 10
     (root / "big.txt").write_bytes(text.encode("utf-8") + b"\xff tail")  # not UTF-8 near its end
     skipped: list = []
-    assert [d.doc_id for d in S.iter_documents(S.resolve([str(root)])[0], skipped=skipped)] == ["small.txt"]
-    assert [p.name for p in skipped] == ["big.txt"]
+    assert [d.doc_id for d in S.iter_documents(S.resolve([str(root)])[0], left_out=skipped)] == ["small.txt"]
+    assert skipped == ["big.txt"]

@@ -364,9 +364,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    sources: tuple[str, ...] = ("stdlib",)
-    tokenizer: str = ""  # path to a tokenizer.json; "" = train a byte-level BPE
-    text_field: str = "text"
+    # a list of sources: 'stdlib', 'cheaders', a path or glob (a file, a folder, '/data/**/*.parquet'),
+    # or 'name=path-or-glob' (entries with one name make one domain); or a mapping of domain names
+    # to lists of paths and globs (moelab.data.sources)
+    sources: tuple[str, ...] | dict[str, tuple[str, ...]] = ("stdlib",)
+    tokenizer: str = ""  # a tokenizer.json or a folder holding one (a transformers model folder); "" = train a byte-level BPE
+    text_field: str | dict[str, str] = "text"  # the records' text field, or a mapping of domain names to fields
+    # sources never trained on, evaluated beside the held-out split (same forms as sources)
+    validation: tuple[str, ...] | dict[str, tuple[str, ...]] = ()
+    bad_records: str = "refuse"  # refuse | skip: a bad shard, line or row stops the build, or is left out and counted
+    workers: int = 0  # processes that tokenize the shards (0 = every core); the store's bytes do not depend on it
+    backend: str = "local"  # local | ray: where the shards are tokenized (ray: one task per unit of shards)
     include: tuple[str, ...] = ()  # directory sources: globs of the files to read (none: every text file)
     exclude: tuple[str, ...] = ()  # directory sources: globs of files to leave out
     held_out_fraction: float = 0.02
@@ -382,13 +390,31 @@ class DataConfig:
         """Problems with the data fields: one line each."""
         d = self
         e: list[str] = []
+        for name in ("sources", "validation"):
+            given = getattr(d, name)
+            entries = [x for v in given.values() for x in v] if isinstance(given, dict) else list(given)
+            if isinstance(given, dict) and any(not str(k).strip() or not v for k, v in given.items()):
+                e.append(f"data.{name}: every domain needs a name and at least one path, got {dict(given)!r}")
+            elif any(not str(x).strip() for x in entries):
+                e.append(
+                    f"data.{name}: an empty source (an unset shell variable?) in {list(entries)!r}; "
+                    "name a file, a folder, a glob or 'stdlib'"
+                )
         if not d.sources:
             e.append("data.sources: name at least one source (a path or 'stdlib')")
+        if isinstance(d.text_field, dict) and not all(str(v).strip() for v in d.text_field.values()):
+            e.append(f"data.text_field: every domain's field must be named, got {dict(d.text_field)!r}")
+        if d.bad_records not in ("refuse", "skip"):
+            e.append(f"data.bad_records: must be refuse or skip, got {d.bad_records!r}")
+        if d.workers < 0:
+            e.append(f"data.workers: must be >= 0 (0 = every core), got {d.workers}")
+        if d.backend not in ("local", "ray"):
+            e.append(f"data.backend: must be local or ray, got {d.backend!r}")
         for name in ("include", "exclude"):
             globs = getattr(d, name)
             if not all(isinstance(g, str) and g.strip() for g in globs):
                 e.append(f"data.{name}: a list of file globs such as ['*.pl', 'lib/**'], got {list(globs)!r}")
-        if not str(d.text_field).strip():
+        if isinstance(d.text_field, str) and not d.text_field.strip():
             e.append("data.text_field: must name the field that holds a document's text (default 'text')")
         if not 0.0 <= d.held_out_fraction < 1.0:
             e.append(f"data.held_out_fraction: must be in [0, 1), got {d.held_out_fraction}")
@@ -521,7 +547,8 @@ def _type_name(tp: Any) -> str:
     if origin is tuple:
         return f"a list, each item {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
-        return "a mapping of names to numbers"
+        inner = typing.get_args(tp)[1]
+        return "a mapping of names to " + {float: "numbers", str: "strings"}.get(inner, "lists of strings")
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     return str(tp)
@@ -622,8 +649,9 @@ def config_from_dict(data: dict, *, source: str = "config") -> Config:
 
 def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
-    for key in ("sources", "mixture", "phase_starts"):
-        out["data"][key] = list(out["data"][key])
+    for key in ("sources", "validation", "mixture", "phase_starts"):
+        value = out["data"][key]
+        out["data"][key] = {k: list(v) for k, v in value.items()} if isinstance(value, dict) else list(value)
     return out
 
 
@@ -637,6 +665,10 @@ HASH_NEUTRAL = {
     ("train", "tracker_project"): "",
     ("train", "tracker_entity"): "",
     ("train", "tracker_mode"): "",
+    ("data", "validation"): [],  # evaluated, never trained on: what a run computes otherwise is unchanged
+    ("data", "bad_records"): "refuse",
+    ("data", "workers"): 0,  # the token store's bytes are the same whatever the workers
+    ("data", "backend"): "local",
 }  # spill_choices changes what spill does: it is hashed
 
 

@@ -211,7 +211,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for d in res["read_whole"]:
             print(f"  {d:<16} one set: the evaluation reads its whole held-out stream")
         return 0
-    res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json)
+    res = evaluate_run(args.run_dir, args.checkpoint, progress=not args.json, data=args.data)
     if args.json:
         print(_json.dumps(res, indent=1))
         return 0
@@ -235,7 +235,8 @@ def register(sub) -> None:
         "--data",
         action="append",
         metavar="SOURCE",
-        help="a directory, .jsonl(.gz) or .parquet file, or stdlib; replaces data.sources (repeatable)",
+        help="a file, folder or glob of shards (text, JSON lines, parquet, arrow; .gz/.zst/.bz2/.xz), name=path to "
+        "name its domain, or stdlib; replaces data.sources (repeatable)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument(
@@ -287,5 +288,12 @@ def register(sub) -> None:
         help="the evaluation's own noise: the checkpoint on up to SETS (8) disjoint sets of held-out windows",
     )
     p.add_argument("--against", metavar="RUN_DIR", help="with --noise: also the noise of the ratio to this run's loss")
+    p.add_argument(
+        "--data",
+        action="append",
+        metavar="SOURCE",
+        help="evaluate on this data instead of the held-out split, whole, with the run's tokenizer: a file, folder, "
+        "glob or name=path, as in data.sources (repeatable); loss and bits per byte per domain",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

@@ -1,22 +1,47 @@
-"""The phased mixture: which domain each row of each batch comes from, and where in it.
+"""The phased mixture: which domain each row of each batch comes from, and which window of it.
 
-Batch s is a pure function of (seed, s, config and store): a resumed run reads exactly the
-batches the uninterrupted one would, and two processes with one seed read the same batches.
-Rows are windows of seq_len + 1 tokens of one domain's training stream, in which documents are
-packed end to end with EOT separators.
+A domain's training stream (its documents packed end to end with EOT separators) is cut into
+W = (T - 1) // seq_len windows of seq_len + 1 tokens; window i starts at token i * seq_len, so
+neighbouring windows share one token and every token is a target once per pass.
+
+Each row's domain is a draw from its phase's weights made by hashing (seed, step, row): it depends
+on nothing else, so the domains of any step are known without reading the steps before it. The
+k-th row of a domain over the whole run (counted in the order step, row) reads window
+perm(k mod W) of epoch k // W, where perm is a shuffle of [0, W) made from (seed, domain, epoch): a
+shuffled pass without replacement, every window exactly once per epoch, a new order each epoch.
+The shuffle is a keyed Feistel network (cycle-walked into [0, W)), so no list of W indices is ever
+kept. To know k, the rows each domain drew before a step are counted (vectorised, and remembered
+between calls, so the next step costs one batch's work); a cold call at any step gives exactly the
+batch that reaching it step by step gives.
+
+So batch s is a pure function of (seed, s, batch size, config and store): a resumed run reads
+exactly the batches the uninterrupted one would, and two processes with one seed read the same
+batches. The epochs of each domain a run will read are counted exactly from these draws, and the
+epoch cap applies to them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moelab.config import Config
 from moelab.data.sources import DataError
-from moelab.data.store import TokenStore
 from moelab.train.schedule import phase_boundaries
+
+if TYPE_CHECKING:
+    from moelab.data.store import TokenStore
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser
+_ROUNDS = 8  # Feistel rounds of the window shuffle
+_BLOCK = 1 << 20  # rows hashed at once when counting draws
 
 
 @dataclass(frozen=True)
@@ -24,7 +49,9 @@ class Mixture:
     domains: tuple[str, ...]
     phase_steps: tuple[int, ...]  # first step of each phase
     weights: np.ndarray  # [phases, domains], rows sum to 1
-    epochs: dict[str, float]  # expected passes over each domain's training tokens
+    epochs: dict[str, float]  # passes over each domain's training windows the planned run reads
+    # counts of draws remembered between calls, per (seed, batch size); never compared or copied
+    _counters: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def phase_at(self, step: int) -> int:
         return int(np.searchsorted(np.asarray(self.phase_steps), step, side="right") - 1)
@@ -39,13 +66,17 @@ class Mixture:
         return {d: float(x) for d, x in zip(self.domains, w, strict=True)}
 
 
-def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> Mixture:
-    """Weights per phase from the config, checked against the store's domains and the epoch cap."""
+def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed: int | None = None) -> Mixture:
+    """Weights per phase from the config, checked against the store's domains and the epoch cap
+    (the exact epochs of each domain that ``steps`` steps of ``train.batch_size`` rows read with
+    ``seed``, ``train.seed`` unless given)."""
     d = cfg.data
     steps = steps or cfg.train.steps
+    seed = cfg.train.seed if seed is None else seed
     domains = tuple(store.domains)
     sizes = np.array([len(store.stream(x, "train")) for x in domains], np.float64)
-    row = cfg.model.seq_len + 1
+    seq_len = cfg.model.seq_len
+    row = seq_len + 1
     for name, n in zip(domains, sizes, strict=True):
         if n < row:
             raise DataError(f"{name}: only {int(n)} training tokens, fewer than model.seq_len + 1 = {row}")
@@ -68,11 +99,11 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> M
         phase_steps = phase_boundaries(d.phase_starts, cfg.train)
     else:
         phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)
-    bounds = list(phase_steps) + [steps]
-    rows = np.array([bounds[i + 1] - bounds[i] for i in range(phases)]) * cfg.train.batch_size
-    drawn = (rows[:, None] * table).sum(axis=0) * row
-    epochs = {name: float(drawn[i] / sizes[i]) for i, name in enumerate(domains)}
-    over = {k: v for k, v in epochs.items() if v > d.epoch_cap}
+    mix = Mixture(domains, phase_steps, table, {})
+    drawn = _counter(mix, seed, cfg.train.batch_size).before(steps)  # also remembers marks for a resume
+    windows = (sizes.astype(np.int64) - 1) // seq_len
+    mix.epochs.update({name: float(drawn[i] / windows[i]) for i, name in enumerate(domains)})
+    over = {k: v for k, v in mix.epochs.items() if v > d.epoch_cap}
     if over:
         name, value = max(over.items(), key=lambda kv: kv[1])
         msg = (
@@ -82,7 +113,7 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None) -> M
         if d.epoch_cap_action == "refuse":
             raise DataError(msg)
         warnings.warn(msg, stacklevel=2)
-    return Mixture(domains, phase_steps, table, epochs)
+    return mix
 
 
 def batch_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int):
@@ -95,17 +126,214 @@ def batch_rows(
 ):
     """Rows [lo, hi) of batch ``step`` (tokens [hi - lo, seq_len + 1]) and every row's domain index.
 
-    Each process of a job builds only the rows its devices hold: every row's domain and window
-    start are drawn (cheap, and in the same order, so the rows are those of the whole batch), and
-    only rows lo..hi are copied out of the streams."""
+    Each process of a job builds only the rows its devices hold: every row's domain and its place in
+    its domain's pass are worked out for the whole batch (cheap, and the same in every process), and
+    only rows lo..hi are shuffled into windows and copied out of the streams."""
     hi = batch_size if hi is None else hi
-    rng = np.random.default_rng(np.random.SeedSequence([seed, step]))
-    probs = mix.weights[mix.phase_at(step)]
-    domain_idx = rng.choice(len(mix.domains), size=batch_size, p=probs)
+    domain_idx, k = _counter(mix, seed, batch_size).step(step)
     out = np.empty((hi - lo, seq_len + 1), np.int32)
-    for r, di in enumerate(domain_idx):
-        stream = store.stream(mix.domains[di], "train")
-        start = int(rng.integers(0, len(stream) - seq_len))  # windows may start anywhere, EOTs inside
-        if lo <= r < hi:
-            out[r - lo] = stream[start : start + seq_len + 1]
+    mine_d, mine_k = domain_idx[lo:hi], k[lo:hi]
+    for di in np.unique(mine_d):
+        name = mix.domains[di]
+        stream = store.stream(name, "train")
+        n_windows = (len(stream) - 1) // seq_len
+        rows = np.flatnonzero(mine_d == di)
+        starts = window_of(seed, name, mine_k[rows], n_windows) * seq_len
+        for r, start in zip(rows, starts.tolist(), strict=True):
+            out[r] = stream[start : start + seq_len + 1]
     return out, domain_idx
+
+
+def epochs_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int) -> dict[str, float]:
+    """Passes over each domain's training windows read by the batches before ``step``."""
+    drawn = _counter(mix, seed, batch_size).before(step)
+    return {
+        name: float(drawn[i] / ((len(store.stream(name, "train")) - 1) // seq_len))
+        for i, name in enumerate(mix.domains)
+    }
+
+
+def window_of(seed: int, domain: str, k, n_windows: int) -> np.ndarray:
+    """The windows the draws ``k`` (counted over the run from 0) of ``domain`` read: draw k reads
+    window perm(k mod W) of epoch k // W, perm the shuffle of [0, W) for (seed, domain, epoch)."""
+    k = np.asarray(k, np.int64)
+    epoch, i = np.divmod(k, n_windows)
+    key = _fmix(epoch.astype(np.uint64) * np.uint64(_GOLDEN) + np.uint64(_domain_key(seed, domain)))
+    return permute(i, n_windows, key)
+
+
+def permute(i, n: int, key) -> np.ndarray:
+    """A bijection of [0, n) chosen by ``key`` (one key per element, uint64), applied to ``i``: a
+    Feistel network on the next even number of bits, walked along its cycles until back in range."""
+    i = np.asarray(i, np.int64)
+    if n <= 1:
+        return np.zeros_like(i)
+    half = ((n - 1).bit_length() + 1) // 2
+    keys = np.broadcast_to(np.asarray(key, np.uint64), i.shape)
+    rounds = [_fmix(keys + np.uint64((r + 1) * _C1 & _MASK)) for r in range(_ROUNDS)]
+    x = _feistel(i.astype(np.uint64), rounds, half)
+    todo = np.flatnonzero(x >= n)
+    while todo.size:  # cycle walking: at most 4x the domain, so few steps on average
+        x[todo] = _feistel(x[todo], [rk[todo] for rk in rounds], half)
+        todo = todo[x[todo] >= n]
+    return x.astype(np.int64)
+
+
+def draws(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int) -> np.ndarray:
+    """Each domain's number of rows in the batches of steps [lo, hi)."""
+    return _count(mix, seed, batch_size, lo, hi)
+
+
+# ---------------------------------------------------------------------------------------- internals
+
+
+def _fmix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a bijection of uint64 that spreads every bit over all of them), in
+    place: ``z`` is a fresh uint64 array of the caller's."""
+    t = np.empty_like(z)
+    np.right_shift(z, np.uint64(30), out=t)
+    z ^= t
+    z *= np.uint64(_C1)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= np.uint64(_C2)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
+    return z
+
+
+def _mix(x: int) -> int:
+    """``_fmix`` of one Python integer."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * _C1) & _MASK
+    x = ((x ^ (x >> 27)) * _C2) & _MASK
+    return x ^ (x >> 31)
+
+
+def _seed_key(seed: int, tag: int) -> int:
+    return _mix(_mix((int(seed) + _GOLDEN) & _MASK) ^ tag)
+
+
+def _domain_key(seed: int, domain: str) -> int:
+    name = int.from_bytes(hashlib.blake2b(domain.encode(), digest_size=8).digest(), "little")
+    return _mix(_seed_key(seed, 2) ^ name)
+
+
+def _feistel(x: np.ndarray, rounds: list[np.ndarray], half: int) -> np.ndarray:
+    mask = np.uint64((1 << half) - 1)
+    left, right = x >> np.uint64(half), x & mask
+    for rk in rounds:
+        left, right = right, left ^ (_fmix(right + rk) & mask)
+    return (left << np.uint64(half)) | right
+
+
+def _hash_rows(seed: int, steps: np.ndarray, batch_size: int) -> np.ndarray:
+    """A uniform uint64 for every (step, row): splitmix64 at the counter step * 2^32 + row."""
+    rows = np.arange(batch_size, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(_seed_key(seed, 1))
+    z = steps.astype(np.uint64)[:, None] * np.uint64((_GOLDEN << 32) & _MASK) + rows[None, :]
+    return _fmix(z)
+
+
+def _cuts(weights: np.ndarray) -> np.ndarray:
+    """The hash values at which one domain's share ends and the next one's begins: a row whose hash
+    is at least c_j (and below c_j+1) is of domain j + 1. Cuts that would sit at the very top (only
+    zero weights after them) are left out, so those domains are never drawn."""
+    cum = np.cumsum(weights)
+    cuts = []
+    for c in cum[:-1]:
+        at = int(round(float(c / cum[-1]) * 2**53)) << 11
+        if c >= cum[-1] or at > _MASK:
+            break
+        cuts.append(at)
+    return np.array(cuts, np.uint64)
+
+
+def _domains_of(z: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    out = np.zeros(z.shape, np.int64)
+    for c in cuts:
+        out += z >= c
+    return out
+
+
+def _segments(mix: Mixture, lo: int, hi: int):
+    """[lo, hi) cut at the phase boundaries: (start, end, phase)."""
+    edges = sorted({lo, hi, *(b for b in mix.phase_steps if lo < b < hi)})
+    return [(a, b, mix.phase_at(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def _per_block(batch_size: int) -> int:
+    """Steps hashed at once when counting (about ``_BLOCK`` rows); counts are remembered at their multiples."""
+    return max(1, _BLOCK // max(batch_size, 1))
+
+
+def _count(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int, marks: dict | None = None, base=None):
+    """Each domain's rows in steps [lo, hi), hashed a block of steps at a time. With ``marks``, the
+    running total (from ``base``, the count before ``lo``) is kept at every block boundary."""
+    per_block = _per_block(batch_size)
+    total = np.zeros(len(mix.domains), np.int64)
+    for a, b, phase in _segments(mix, lo, hi):
+        cuts = _cuts(mix.weights[phase])
+        while a < b:
+            end = min(b, (a // per_block + 1) * per_block)  # blocks aligned to multiples of per_block
+            z = _hash_rows(seed, np.arange(a, end, dtype=np.uint64), batch_size)
+            below = [np.count_nonzero(z < c) for c in cuts]
+            total[: len(cuts) + 1] += np.diff([0, *below, z.size])
+            a = end
+            if marks is not None and end % per_block == 0:
+                marks[end] = base + total
+    return total
+
+
+class _Counter:
+    """Rows each domain drew before a step, for one (mixture, seed, batch size): the last step asked
+    for (and the next), and marks every block of steps, so sequential steps cost one batch each and
+    a jump costs the steps from the nearest known point."""
+
+    def __init__(self, mix: Mixture, seed: int, batch_size: int):
+        self.mix, self.seed, self.batch = mix, seed, batch_size
+        self.known = {0: np.zeros(len(mix.domains), np.int64)}  # step -> draws before it
+        self.last = None  # (step, its domains, k)
+        self.lock = threading.Lock()
+
+    def before(self, step: int) -> np.ndarray:
+        with self.lock:
+            return self._before(step).copy()
+
+    def _before(self, step: int) -> np.ndarray:
+        if step in self.known:
+            return self.known[step]
+        near = min(self.known, key=lambda s: (abs(s - step), s))
+        base = self.known[near]
+        if near < step:  # on from there, remembering the counts at each block's end on the way
+            return base + _count(self.mix, self.seed, self.batch, near, step, self.known, base)
+        return base - _count(self.mix, self.seed, self.batch, step, near)
+
+    def step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step ``step``'s row domains and each row's draw number k in its domain."""
+        with self.lock:
+            if self.last is not None and self.last[0] == step:
+                return self.last[1].copy(), self.last[2].copy()
+            before = self._before(step)
+            z = _hash_rows(self.seed, np.array([step], np.uint64), self.batch)[0]
+            domains = _domains_of(z, _cuts(self.mix.weights[self.mix.phase_at(step)]))
+            k = np.empty(self.batch, np.int64)
+            after = before.copy()
+            for d in np.unique(domains):
+                rows = np.flatnonzero(domains == d)
+                k[rows] = before[d] + np.arange(len(rows))
+                after[d] += len(rows)
+            if self.last is not None:  # keep the marks; forget the previous step's own points
+                for s in (self.last[0], self.last[0] + 1):
+                    if s % _per_block(self.batch) and s in self.known:
+                        del self.known[s]
+            self.known[step], self.known[step + 1] = before, after
+            self.last = (step, domains, k)
+            return domains.copy(), k.copy()
+
+
+def _counter(mix: Mixture, seed: int, batch_size: int) -> _Counter:
+    key = (int(seed), int(batch_size))
+    got = mix._counters.get(key)
+    if got is None:
+        got = mix._counters.setdefault(key, _Counter(mix, seed, batch_size))
+    return got

@@ -1,14 +1,37 @@
-"""Tokenizer and token store: documents -> byte-level BPE -> one memory-mapped array of tokens.
+"""The token store: every domain's documents tokenized into one memory-mapped array.
 
-A store is built once per (sources, their sizes and mtimes, split, tokenizer) and reused while
-those are unchanged. It is written to a temporary folder and renamed into place with its
-manifest last, so a failed or killed build never leaves a store that looks complete.
+A store is built once per (sources and their shards' sizes and stamps, split, tokenizer) and
+reused while those are unchanged. The build:
+1. resolves the sources into domains of shards (moelab.data.sources) and groups each domain's
+   shards, in order, into units of about ``UNIT_BYTES`` (a large shard is a unit of its own);
+2. trains a byte-level BPE on up to ``TOKENIZER_CHARS`` of the training documents (or loads
+   ``data.tokenizer``);
+3. tokenizes the units in parallel, ``data.workers`` processes on this machine (default: every
+   core) or one Ray task per unit (``data.backend: ray``), each unit streamed to its own token and
+   document files under ``.build-store-<key>/units``; a unit is finished when its ``.json`` is
+   written, so a build that is killed resumes from the units it finished;
+4. assembles the units in order: per domain, its training documents, then its held-out ones.
+
+Each worker holds one unit's current batch of text; the assembly holds one domain's held-out
+index. The store's bytes depend only on the inputs, never on the workers, their number, their
+order or the backend. The store is renamed into place with its manifest written last, so a failed
+or killed build never leaves a store that looks complete.
+
+The held-out split (``data.held_out_fraction`` f): a document is held out when a hash of its domain
+and name falls below f (stable across runs, machines, file order and workers; the expected share
+is f). A domain where that holds out none of its documents, or all of them (a domain of few
+documents: with n documents, none is held out with probability (1 - f)^n), is split by position
+instead: its last ceil(f x tokens) tokens are held out. f = 0 holds out nothing. Validation
+sources (``data.validation``) are held out whole and never trained on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -19,56 +42,25 @@ import numpy as np
 
 from moelab.config import DataConfig
 from moelab.data import sources as S
+from moelab.data import tokenizer as T
 
 EOT = "<|endoftext|>"
-STORE_VERSION = 1
+STORE_VERSION = 2
+UNIT_BYTES = 32 << 20  # consecutive shards of a domain are tokenized together up to this many bytes
+TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
+ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call while encoding
+ENCODE_BATCH_DOCS = 8192
+DOC = np.dtype([("tokens", "<u8"), ("bytes", "<u8"), ("hash", "<u8"), ("row", "<u8"), ("file", "<u4")])
+INDEX = np.dtype(
+    [("domain", "<u2"), ("split", "u1"), ("unit", "<u4"), ("file", "<u4"), ("row", "<u8"),
+     ("start", "<u8"), ("tokens", "<u8"), ("bytes", "<u8")]
+)  # fmt: skip
+SPLITS = ("train", "heldout")
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE with ``EOT`` as token 0; every byte is in its alphabet, so nothing is unknown."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
-def load_tokenizer(path: str | Path, vocab_size: int):
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises plain Exceptions
-        raise S.DataError(f"{path}: not a tokenizer.json ({str(exc).splitlines()[0]})") from None
-    if tok.token_to_id(EOT) is None:
-        tok.add_special_tokens([EOT])
-    if tok.get_vocab_size() > vocab_size:
-        raise S.DataError(f"{path}: {tok.get_vocab_size()} tokens, more than model.vocab_size={vocab_size}")
-    return tok
-
-
-def token_byte_lengths(tok) -> np.ndarray:
-    """Bytes of text each token id stands for (0 for specials), for bits per byte."""
-    n = tok.get_vocab_size()
-    out = np.zeros(n, np.int32)
-    byte_level = "ByteLevel" in type(tok.pre_tokenizer).__name__ if tok.pre_tokenizer else False
-    specials = {tok.token_to_id(EOT)}
-    for i in range(n):
-        if i in specials:
-            continue
-        piece = tok.id_to_token(i)
-        if piece is None:
-            continue
-        out[i] = len(piece) if byte_level else len(tok.decode([i]).encode("utf-8"))
-    return out
+def train_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE with ``EOT`` as token 0 (the ``tokenizers`` object)."""
+    return T.train(texts, vocab_size).tokenizer
 
 
 @dataclass
@@ -80,7 +72,17 @@ class TokenStore:
 
     @property
     def domains(self) -> list[str]:
+        """The domains trained on (validation domains are not among them)."""
         return list(self.manifest["domains"])
+
+    @property
+    def validation(self) -> list[str]:
+        """Domains that are only evaluated (``data.validation``): held out whole."""
+        return list(self.manifest.get("validation", []))
+
+    @property
+    def eval_domains(self) -> list[str]:
+        return self.domains + self.validation
 
     @property
     def eot(self) -> int:
@@ -91,148 +93,463 @@ class TokenStore:
         start, end = self.manifest["spans"][domain][split]
         return self.tokens[start:end]
 
+    def documents(self) -> np.ndarray:
+        """Every document: domain index (into domains + validation), split, unit, file, row, start,
+        tokens and bytes, memory-mapped."""
+        path = self.path / "documents.bin"
+        n = path.stat().st_size // INDEX.itemsize
+        return np.memmap(path, dtype=INDEX, mode="r", shape=(n,)) if n else np.zeros(0, INDEX)
+
+    def doc_name(self, doc) -> str:
+        """Where a document comes from: its shard's name and its row (line, row or piece)."""
+        files = self.manifest["units"][int(doc["unit"])]["files"]
+        return f"{files[int(doc['file'])]}#{int(doc['row'])}"
+
     def tokenizer(self):
-        return load_tokenizer(self.path / "tokenizer.json", 1 << 31)
+        return T.load_saved(self.path).tokenizer
+
+    def tok(self) -> T.Tok:
+        return T.load_saved(self.path)
 
 
-def store_key(cfg: DataConfig, vocab_size: int, srcs: list[S.Source]) -> str:
-    tokenizer = cfg.tokenizer
-    tok_fp = None
-    if tokenizer:
-        p = Path(tokenizer)
-        if not p.is_file():
-            raise S.DataError(f"{tokenizer}: no such tokenizer file (data.tokenizer)")
-        tok_fp = hashlib.sha256(p.read_bytes()).hexdigest()
+def store_key(cfg: DataConfig, vocab_size: int, domains: list[S.Domain], vdomains: list[S.Domain], tokenizer_fp) -> str:
     blob = {
         "version": STORE_VERSION,
-        "sources": [[s.spec, s.kind, S.fingerprint(s)] for s in srcs],
-        "text_field": cfg.text_field,
+        "domains": [S.fingerprint(d) for d in domains],
+        "validation": [S.fingerprint(d) for d in vdomains],
         "held_out_fraction": cfg.held_out_fraction,
         "max_bytes_per_domain": cfg.max_bytes_per_domain,
-        "tokenizer": tok_fp,
-        "vocab_size": None if tokenizer else vocab_size,
+        "bad_records": cfg.bad_records,
+        "tokenizer": tokenizer_fp,
+        "vocab_size": None if tokenizer_fp else vocab_size,
+        "globs": [list(cfg.include), list(cfg.exclude)],
+        "pieces": S.MAX_PIECE_CHARS,
     }
-    if cfg.include or cfg.exclude:  # (absent otherwise: the keys of stores built before stay)
-        blob["globs"] = [list(cfg.include), list(cfg.exclude)]
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-SINGLE_DOC_PIECES = 20  # a domain of one document is cut into this many pieces, by position
-MIN_PIECE_CHARS = 256  # ... each at least this long
-TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
-ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call while encoding (an Encoding holds ~100 bytes a token)
+# ---------------------------------------------------------------- units of work
 
 
-def _pieces(doc: S.Document, size: int):
-    """``doc``, or its pieces of at most ``size`` characters cut after a newline where one is near."""
-    text = doc.text
-    if len(text) <= size:
-        yield doc
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    domain: int  # into domains + validation domains
+    shards: tuple[int, ...]  # into the domain's shards
+    size: int  # input bytes
+
+
+def plan_units(domains: list[S.Domain]) -> list[Unit]:
+    """Consecutive shards of each domain, grouped up to UNIT_BYTES (a function of the shard list only)."""
+    units: list[Unit] = []
+    for di, dom in enumerate(domains):
+        group: list[int] = []
+        size = 0
+        for si, shard in enumerate(dom.shards):
+            if group and size + shard.size > UNIT_BYTES:
+                units.append(Unit(len(units), di, tuple(group), size))
+                group, size = [], 0
+            group.append(si)
+            size += max(shard.size, 1)
+        if group:
+            units.append(Unit(len(units), di, tuple(group), size))
+    return units
+
+
+_TOKS: dict[str, T.Tok] = {}
+
+
+def _tok_at(folder: str) -> T.Tok:
+    if folder not in _TOKS:
+        _TOKS[folder] = T.load_saved(folder)
+    return _TOKS[folder]
+
+
+def _worker_init() -> None:
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one process per core: the tokenizer's own threads would compete
+
+
+def _token_docs(dom: S.Domain, shard: S.Shard, tok: T.Tok, dtype, bad: S.Bad):
+    """A file of token ids (``.npy``, or raw ``.bin`` in the store's dtype) cut into documents after
+    each end-of-document id; yields (ids, row) per document."""
+    try:
+        if shard.path.lower().endswith(".npy"):
+            ids = np.load(shard.path, mmap_mode="r")
+        else:
+            ids = np.memmap(shard.path, dtype=dtype, mode="r")
+    except (ValueError, OSError) as exc:
+        bad.record(shard, shard.path, f"not a file of token ids ({str(exc).splitlines()[0]})")
         return
-    start, k = 0, 0
-    while start < len(text):
-        end = min(start + size, len(text))
-        if end < len(text):
-            nl = text.rfind("\n", start + size // 2, end)
-            end = nl + 1 if nl != -1 else end
-        yield S.Document(doc.domain, f"{doc.doc_id}#{k}", text[start:end])
-        start, k = end, k + 1
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        bad.record(shard, shard.path, f"token ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        return
+    n = tok.vocab_size
+    step = 1 << 24
+    carry = np.zeros(0, np.uint32)
+    row = 0
+    for lo in range(0, len(ids), step):
+        chunk = np.asarray(ids[lo : lo + step])
+        if len(chunk) and (chunk.min() < 0 or chunk.max() >= n):
+            bad.record(shard, shard.path, f"token id {int(chunk.max())} is outside the tokenizer's {n} ids")
+            return
+        chunk = np.concatenate([carry, chunk.astype(np.uint32)])
+        ends = np.flatnonzero(chunk == tok.eos) + 1
+        start = 0
+        for e in ends:
+            yield chunk[start:e], row
+            row += 1
+            start = e
+        carry = chunk[start:]
+    if len(carry):
+        yield np.concatenate([carry, np.array([tok.eos], np.uint32)]), row
 
 
-def _documents(
-    srcs: list[S.Source], cfg: DataConfig, domain: str | None = None, piece: dict | None = None, skipped=None
-):
-    """The documents the store holds, in order: non-empty, within ``data.max_bytes_per_domain``
-    (whole documents counted), cut into pieces; those of ``domain`` only when it is given. Each
-    pass reads the sources again, so nothing but the current document is held."""
-    piece = piece or {}
-    for src in srcs:
-        if domain is not None and domain not in src.domains:
-            continue
-        size = dict.fromkeys(src.domains, 0)
-        for doc in S.iter_documents(src, cfg.text_field, skipped):
-            if domain is not None and doc.domain != domain:
+def encode_unit(job: dict) -> dict:
+    """Tokenize one unit into ``units/<index>.{tok,doc}`` and mark it finished with ``.json``."""
+    dom: S.Domain = job["domain"]
+    unit: Unit = job["unit"]
+    out = Path(job["dir"]) / "units"
+    name = f"{unit.index:06d}"
+    tok = _tok_at(job["tokenizer"])
+    dtype = np.dtype(job["dtype"])
+    bad = S.Bad(skip=job["skip"])
+    left_out: list[str] = []
+    tmp_tok, tmp_doc = out / f".{name}.tok", out / f".{name}.doc"
+    stats = {"documents": 0, "tokens": 0, "bytes": 0}
+    blen = None
+    with open(tmp_tok, "wb") as ftok, open(tmp_doc, "wb") as fdoc:
+        texts: list[str] = []
+        meta: list[tuple[int, int, int, int]] = []  # (bytes, hash, row, file)
+        chars = 0
+
+        def flush():
+            ids, lengths = T.encode(tok, texts)
+            ids.astype(dtype, copy=False).tofile(ftok)
+            rec = np.empty(len(texts), DOC)
+            m = np.asarray(meta, np.uint64).reshape(-1, 4)
+            rec["tokens"], rec["bytes"], rec["hash"], rec["row"], rec["file"] = lengths, m[:, 0], m[:, 1], m[:, 2], m[:, 3]
+            rec.tofile(fdoc)
+            stats["documents"] += len(texts)
+            stats["tokens"] += int(lengths.sum())
+            stats["bytes"] += int(m[:, 0].sum())
+            texts.clear()
+            meta.clear()
+
+        for fi, si in enumerate(unit.shards):
+            shard = dom.shards[si]
+            if shard.fmt == "tokens":
+                if blen is None:
+                    blen = T.byte_lengths(tok)
+                for ids, row in _token_docs(dom, shard, tok, dtype, bad):
+                    ids.astype(dtype).tofile(ftok)
+                    rec = np.zeros(1, DOC)
+                    rec["tokens"], rec["bytes"] = len(ids), int(blen[ids].sum())
+                    rec["hash"], rec["row"], rec["file"] = S.doc_hash(dom.name, f"{shard.rel}#{row}"), row, fi
+                    rec.tofile(fdoc)
+                    stats["documents"] += 1
+                    stats["tokens"] += len(ids)
+                    stats["bytes"] += int(rec["bytes"][0])
                 continue
-            if not doc.text.strip():
-                continue
-            if cfg.max_bytes_per_domain:
-                if size[doc.domain] >= cfg.max_bytes_per_domain:
+            for doc in S.iter_shard(dom, shard, bad, left_out, tmp_dir=str(out)):
+                if not doc.text.strip():
                     continue
-                size[doc.domain] += len(doc.text.encode("utf-8"))
-            yield from _pieces(doc, piece.get(doc.domain, S.MAX_PIECE_CHARS))
-
-
-def _index(srcs: list[S.Source], cfg: DataConfig, skipped=None) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """Each domain's document ids in order, and the piece size per domain (a domain of one document
-    is cut by position, so that part of it can be held out)."""
-    ids: dict[str, list[str]] = {d: [] for s in srcs for d in s.domains}
-    chars = dict.fromkeys(ids, 0)
-    for doc in _documents(srcs, cfg, skipped=skipped):
-        ids[doc.domain].append(doc.doc_id)
-        chars[doc.domain] += len(doc.text)
-    piece = {}
-    for d, n in ids.items():
-        if len(n) < 2 and chars[d] >= 2 * MIN_PIECE_CHARS:
-            piece[d] = max(MIN_PIECE_CHARS, -(-chars[d] // SINGLE_DOC_PIECES))
-    if piece:
-        for d in piece:
-            ids[d] = [doc.doc_id for doc in _documents(srcs, cfg, d, piece)]
-    for src in srcs:
-        for d in src.domains:
-            if len(ids[d]) < 2:
-                raise S.DataError(
-                    f"{src.spec}: domain {d!r} has {len(ids[d])} non-empty documents, too little text to hold "
-                    f"part out ({chars[d]} characters; need {2 * MIN_PIECE_CHARS} or more)"
-                )
-    return ids, piece
-
-
-def _split(domain: str, ids: list[str], fraction: float) -> list[bool]:
-    """Which documents are held out: a hash of each name, and at least one on each side."""
-    held = [S.is_held_out(domain, i, fraction) for i in ids]
-    if not any(held):  # every domain keeps at least one document out of training
-        held[min(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).digest())] = True
-    if all(held):
-        held[0] = False
-    return held
-
-
-def _encode(tok, texts: list[str], eot: int) -> list[np.ndarray]:
-    return [np.asarray(enc.ids + [eot], np.uint32) for enc in tok.encode_batch_fast(texts)]
-
-
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
-def _encode_domain(tok, docs, held: dict, eot: int, dtype, train_out, held_out, bar) -> dict[str, list]:
-    """Encode one domain's documents in batches of bounded text, each to its split's file as it
-    comes; per split, (id, tokens, bytes) of each document in order."""
-    counts: dict[str, list] = {"train": [], "heldout": []}
-    batch: list[S.Document] = []
-    chars = 0
-
-    def flush():
-        for doc, arr in zip(batch, _encode(tok, [x.text for x in batch], eot), strict=True):
-            split = "heldout" if held[doc.doc_id] else "train"
-            arr.astype(dtype).tofile(held_out if split == "heldout" else train_out)
-            counts[split].append((doc.doc_id, len(arr), _utf8_len(doc.text)))
-        bar.update(len(batch))
-        batch.clear()
-
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc.text)
-        if chars >= ENCODE_BATCH_CHARS or len(batch) >= 256:
+                for piece in S.pieces(doc, S.MAX_PIECE_CHARS):
+                    text = piece.text
+                    texts.append(text)
+                    meta.append((len(text) if text.isascii() else len(text.encode("utf-8")),
+                                 S.doc_hash(dom.name, piece.doc_id), piece.row, fi))  # fmt: skip
+                    chars += len(text)
+                    if chars >= ENCODE_BATCH_CHARS or len(texts) >= ENCODE_BATCH_DOCS:
+                        flush()
+                        chars = 0
+        if texts:
             flush()
-            chars = 0
-    if batch:
-        flush()
-    return counts
+    os.replace(tmp_tok, out / f"{name}.tok")
+    os.replace(tmp_doc, out / f"{name}.doc")
+    stats.update(
+        unit=unit.index,
+        files=[dom.shards[si].rel for si in unit.shards],
+        left_out=left_out,
+        bad=bad.shards,
+        size=unit.size,
+    )
+    tmp = out / f".{name}.json"
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, out / f"{name}.json")  # last: the unit is finished
+    return stats
+
+
+# ---------------------------------------------------------------- running the units
+
+
+class _Local:
+    def __init__(self, workers: int):
+        self.pool = None
+        if workers > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+        self.pending: dict = {}
+
+    def submit(self, job: dict, tag) -> None:
+        if self.pool is None:
+            self.pending[tag] = job  # run in this process when waited for
+        else:
+            self.pending[self.pool.submit(encode_unit, job)] = tag
+
+    def wait(self):
+        """(tag, stats) of a finished unit."""
+        if self.pool is None:
+            tag, job = next(iter(self.pending.items()))
+            del self.pending[tag]
+            return tag, encode_unit(job)
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
+        fut = next(iter(done))
+        tag = self.pending.pop(fut)
+        return tag, fut.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Ray:
+    """One Ray task per unit (moelab.lab.ray_backend starts or joins the cluster). The build folder
+    must be on storage every node sees (MOELAB_CACHE)."""
+
+    def __init__(self):
+        from moelab.lab.ray_backend import _ray
+
+        self.ray = _ray()
+        self.remote = self.ray.remote(num_cpus=1, runtime_env={"env_vars": {"RAYON_NUM_THREADS": "1"}})(encode_unit)
+        self.pending: dict = {}
+
+    def submit(self, job: dict, tag) -> None:
+        self.pending[self.remote.remote(job)] = tag
+
+    def wait(self):
+        (ref,), _ = self.ray.wait(list(self.pending), num_returns=1)
+        tag = self.pending.pop(ref)
+        return tag, self.ray.get(ref)
+
+    def close(self) -> None:
+        for ref in self.pending:
+            self.ray.cancel(ref)
+
+
+def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfig, workers: int, progress: bool):
+    """Tokenize the units not yet finished; a domain past data.max_bytes_per_domain gets no more."""
+    from moelab.progress import Progress, say
+
+    done: dict[int, dict] = {}
+    for u in units:
+        marker = build / "units" / f"{u.index:06d}.json"
+        if marker.exists():
+            done[u.index] = json.loads(marker.read_text())
+    todo = [u for u in units if u.index not in done]
+    cap = cfg.max_bytes_per_domain
+
+    def capped(di: int) -> bool:  # the domain's finished prefix of units already reaches the cap
+        if not cap:
+            return False
+        total = 0
+        for u in units:
+            if u.domain != di:
+                continue
+            if u.index not in done:
+                return False
+            total += done[u.index]["bytes"]
+            if total >= cap:
+                return True
+        return False
+
+    if done:
+        say(f"resuming the token store's build: {len(done)} of {len(units)} units already done", progress)
+    if not todo:
+        return done
+    n = max(1, min(workers, len(todo)))
+    total_mb = sum(u.size for u in todo) / 1e6
+    bar = Progress(max(1, round(total_mb)), desc="tokenizing", unit="MB", enabled=progress)
+    say(
+        f"tokenizing {len(todo)} units ({total_mb:,.0f} MB in {sum(len(u.shards) for u in todo)} shards) with "
+        f"{n} {'Ray tasks at a time' if cfg.backend == 'ray' else 'worker processes' if n > 1 else 'process'}",
+        progress,
+    )
+    runner = _Ray() if cfg.backend == "ray" else _Local(n)
+    t0 = time.monotonic()
+    queue = list(todo)
+    text_bytes = docs = tokens = 0
+    in_flight = 0
+    try:
+        while queue or in_flight:
+            while queue and in_flight < n:
+                u = queue.pop(0)
+                if capped(u.domain):
+                    continue
+                job = {"domain": domains[u.domain], "unit": u, "dir": str(build), "tokenizer": str(tok_dir),
+                       "dtype": np.dtype(dtype).name, "skip": cfg.bad_records == "skip"}  # fmt: skip
+                runner.submit(job, u.index)
+                in_flight += 1
+            if not in_flight:
+                break
+            index, stats = runner.wait()
+            in_flight -= 1
+            done[index] = stats
+            text_bytes += stats["bytes"]
+            docs += stats["documents"]
+            tokens += stats["tokens"]
+            dt = max(time.monotonic() - t0, 1e-9)
+            bar.set_postfix(**{"MB/s": f"{text_bytes / 1e6 / dt:.1f}", "documents": f"{docs:,}", "tokens": f"{tokens:,}"})
+            bar.update(round(stats["size"] / 1e6) if bar.n + round(stats["size"] / 1e6) <= bar.total else 0)
+    finally:
+        runner.close()
+    bar.n = bar.total
+    bar.close()
+    return done
+
+
+# ---------------------------------------------------------------- assembly
+
+
+def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: Path, tmp: Path, dtype, cfg) -> dict:
+    """Write tokens.bin and documents.bin in order; return the spans and statistics."""
+    f = cfg.held_out_fraction
+    cap = cfg.max_bytes_per_domain
+    spans, stats, bads, left = {}, {}, {}, {}
+    offset = 0
+    itemsize = np.dtype(dtype).itemsize
+    by_domain: dict[int, list[Unit]] = {}
+    for u in units:
+        by_domain.setdefault(u.domain, []).append(u)
+    with open(tmp / "tokens.bin", "wb") as out, open(tmp / "documents.bin", "wb") as index:
+        for di, dom in enumerate(domains):
+            validation = di >= n_train
+            side_path = tmp / f".heldout-{di}.bin"
+            held_rows: list[np.ndarray] = []
+            size = 0
+            domain_start = offset
+            side_off = 0
+            n_docs = n_held = 0
+            tok_train = tok_held = bytes_train = bytes_held = 0
+            unit_docs = []
+            for u in by_domain.get(di, []):
+                if u.index not in done:  # past the byte cap
+                    continue
+                docs = np.fromfile(build / "units" / f"{u.index:06d}.doc", DOC)
+                if cap:
+                    before = size + np.concatenate([[0], np.cumsum(docs["bytes"], dtype=np.int64)[:-1]])
+                    docs = docs[before < cap]
+                size += int(docs["bytes"].sum())
+                unit_docs.append((u, docs))
+                st = done[u.index]
+                for rel, entry in st.get("bad", {}).items():
+                    bads.setdefault(dom.name, {})[rel] = entry
+                if st.get("left_out"):
+                    left.setdefault(dom.name, []).extend(st["left_out"])
+                if cap and size >= cap:
+                    break
+            all_hash = np.concatenate([d["hash"] for _, d in unit_docs]) if unit_docs else np.zeros(0, np.uint64)
+            if validation:
+                held_all = np.ones(len(all_hash), bool)
+            else:
+                held_all = all_hash.astype(np.float64) / 2.0**64 < f if f > 0 else np.zeros(len(all_hash), bool)
+            by_position = bool(f > 0 and not validation and len(all_hash) and (held_all.all() or not held_all.any()))
+            if by_position:
+                held_all[:] = False
+            if not len(all_hash):
+                what = dom.spec
+                if left.get(dom.name):
+                    names = left[dom.name]
+                    raise S.DataError(
+                        f"{what}: no UTF-8 text files among {len(names)} files ({len(names)} binary or not UTF-8: "
+                        f"{', '.join(n.rsplit('/', 1)[-1] for n in names[:3])}{', ...' if len(names) > 3 else ''}); "
+                        "name a directory of text, or change data.include / data.exclude"
+                    )
+                raise S.DataError(f"{what}: domain {dom.name!r} has no documents with text")
+            k = 0
+            with open(side_path, "wb") as side:
+                for u, docs in unit_docs:
+                    held = held_all[k : k + len(docs)]
+                    k += len(docs)
+                    tokens = np.memmap(build / "units" / f"{u.index:06d}.tok", dtype=dtype, mode="r") if docs["tokens"].sum() else np.zeros(0, dtype)
+                    starts = np.concatenate([[0], np.cumsum(docs["tokens"], dtype=np.int64)])
+                    rows = np.empty(len(docs), INDEX)
+                    rows["domain"], rows["unit"], rows["file"], rows["row"] = di, u.index, docs["file"], docs["row"]
+                    rows["tokens"], rows["bytes"], rows["split"] = docs["tokens"], docs["bytes"], held
+                    # runs of equal split, each written with one call
+                    cuts = np.concatenate([[0], np.flatnonzero(np.diff(held.astype(np.int8))) + 1, [len(docs)]])
+                    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                        if a == b:
+                            continue
+                        chunk = tokens[starts[a] : starts[b]]
+                        if held[a]:
+                            rows["start"][a:b] = side_off + (starts[a:b] - starts[a])
+                            side_off += len(chunk)
+                            side.write(np.ascontiguousarray(chunk).tobytes())
+                        else:
+                            rows["start"][a:b] = offset + (starts[a:b] - starts[a])
+                            offset += len(chunk)
+                            out.write(np.ascontiguousarray(chunk).tobytes())
+                    rows[~held].tofile(index)
+                    if held.any():
+                        held_rows.append(rows[held])
+                    n_docs += len(docs)
+                    n_held += int(held.sum())
+                    tok_held += int(docs["tokens"][held].sum())
+                    bytes_held += int(docs["bytes"][held].sum())
+                    del tokens
+            train_end = offset
+            with open(side_path, "rb") as side:
+                shutil.copyfileobj(side, out, 16 << 20)
+            side_path.unlink()
+            offset += side_off
+            for r in held_rows:
+                r["start"] += train_end
+                r.tofile(index)
+            tok_train = train_end - domain_start
+            bytes_train = int(sum(int(d["bytes"].sum()) for _, d in unit_docs)) - bytes_held
+            if by_position:
+                total = train_end - domain_start
+                cut = train_end - max(1, math.ceil(f * total))
+                spans[dom.name] = {"train": [domain_start, cut], "heldout": [cut, train_end]}
+                share = (train_end - cut) / max(total, 1)
+                stats[dom.name] = {
+                    "train": {"documents": n_docs, "tokens": cut - domain_start, "bytes": round(bytes_train * (1 - share))},
+                    "heldout": {"documents": 0, "tokens": train_end - cut, "bytes": round(bytes_train * share)},
+                    "split": "position",
+                }
+            else:
+                spans[dom.name] = {"train": [domain_start, train_end], "heldout": [train_end, offset]}
+                stats[dom.name] = {
+                    "train": {"documents": n_docs - n_held, "tokens": tok_train, "bytes": bytes_train},
+                    "heldout": {"documents": n_held, "tokens": tok_held, "bytes": bytes_held},
+                    "split": "validation" if validation else "hash",
+                }
+    assert (tmp / "tokens.bin").stat().st_size == offset * itemsize
+    return {"spans": spans, "stats": stats, "bad": bads, "left_out": left, "n_tokens": int(offset)}
+
+
+@contextlib.contextmanager
+def _lock(path: Path, progress: bool):
+    from moelab.progress import say
+
+    fh = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process that builds this token store ({path.name})", progress)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+    finally:
+        fh.close()
 
 
 def _clean_stale(root: Path) -> None:
-    """Temporary stores of builds whose process is gone (killed, out of memory) are removed."""
+    """Temporary stores of assemblies whose process is gone (killed, out of memory) are removed."""
     for tmp in root.glob(".tmp-store-*"):
         try:
             pid = int(tmp.name.rsplit("-", 1)[1])
@@ -243,133 +560,149 @@ def _clean_stale(root: Path) -> None:
             continue
 
 
-def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, progress: bool = True) -> TokenStore:
+def _tokenizer_texts(domains: list[S.Domain], cfg: DataConfig, bad: S.Bad):
+    """Training documents (not held out) of each domain in order, up to its share of TOKENIZER_CHARS."""
+    share = TOKENIZER_CHARS // max(1, len(domains))
+    for dom in domains:
+        seen = 0
+        for doc in S.iter_documents(dom, bad, []):
+            if seen >= share:
+                break
+            if not doc.text.strip():
+                continue
+            for piece in S.pieces(doc, S.MAX_PIECE_CHARS):
+                if not S.is_held_out(dom.name, piece.doc_id, cfg.held_out_fraction):
+                    yield piece.text
+                    seen += len(piece.text)
+
+
+def resolve_all(cfg: DataConfig) -> tuple[list[S.Domain], list[S.Domain]]:
+    domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field)
+    vdomains = S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation") if cfg.validation else []
+    clash = {d.name for d in domains} & {d.name for d in vdomains}
+    if clash:
+        raise S.DataError(f"data.validation: domain {sorted(clash)[0]!r} is also a training domain; name it apart (name=path)")
+    return domains, vdomains
+
+
+def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, progress: bool = True,
+                tokenizer_dir: Path | None = None) -> TokenStore:  # fmt: skip
     """Load the store for these inputs, building it first if there is none that is complete.
+    ``tokenizer_dir``: a store whose tokenizer to use (evaluating a run on other data)."""
+    from moelab.progress import say
 
-    The build streams: the sources are read once to index the documents, once per domain to train
-    the tokenizer and once per domain to encode, and tokens go to disk as they come, so memory does
-    not grow with the corpus (a document longer than sources.MAX_PIECE_CHARS is cut into pieces)."""
-    from moelab.progress import Progress, say
-
-    srcs = S.resolve(cfg.sources, cfg.include, cfg.exclude)
-    key = store_key(cfg, vocab_size, srcs)
+    domains, vdomains = resolve_all(cfg)
+    if tokenizer_dir is not None:
+        tok_fp = "store:" + hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
+    elif cfg.tokenizer:
+        tok_fp = T.fingerprint(cfg.tokenizer)
+    else:
+        tok_fp = None
+    key = store_key(cfg, vocab_size, domains, vdomains, tok_fp)
     root = Path(cache or S.cache_root())
     final = root / f"store-{key}"
     if (final / "manifest.json").exists():
         return open_store(final)
     root.mkdir(parents=True, exist_ok=True)
-    _clean_stale(root)
-    tmp = root / f".tmp-store-{key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    build = root / f".build-store-{key}"
+    with _lock(root / f".build-store-{key}.lock", progress):
+        if (final / "manifest.json").exists():
+            return open_store(final)
+        _clean_stale(root)
+        tmp = root / f".tmp-store-{key}-{os.getpid()}"
+        try:
+            store = _build(cfg, vocab_size, domains, vdomains, key, build, tmp, final, progress, tokenizer_dir)
+        except S.DataError:
+            shutil.rmtree(build, ignore_errors=True)  # bad input: nothing is kept
+            (root / f".build-store-{key}.lock").unlink(missing_ok=True)
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(build, ignore_errors=True)
+        (root / f".build-store-{key}.lock").unlink(missing_ok=True)
+        return store
+
+
+def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, final: Path, progress, tokenizer_dir):
+    from moelab.progress import say
+
     t0 = time.time()
-    try:
-        say(f"indexing the documents of {', '.join(cfg.sources)}", progress)
-        skipped: list = []
-        ids, piece = _index(srcs, cfg, skipped)
-        if skipped:
-            names = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-            say(f"left out {len(skipped)} files that are binary or not UTF-8 text ({names})", progress)
-        held = {d: dict(zip(i, _split(d, i, cfg.held_out_fraction), strict=True)) for d, i in ids.items()}
-        if cfg.tokenizer:
-            tok = load_tokenizer(cfg.tokenizer, vocab_size)
+    all_domains = domains + vdomains
+    tok_dir = build / "tokenizer"
+    if (tok_dir / "tokenizer_moelab.json").exists():
+        tok = T.load_saved(tok_dir)
+    else:
+        if tokenizer_dir is not None:
+            tok = T.load_saved(tokenizer_dir)
+        elif cfg.tokenizer:
+            tok = T.load(cfg.tokenizer, vocab_size)
+            say(f"tokenizer {cfg.tokenizer}: {tok.origin}", progress)
         else:
             say(
                 f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the "
                 "training documents",
                 progress,
             )
-
-            share = TOKENIZER_CHARS // len(ids)
-
-            def texts():
-                for d in ids:  # each domain's training documents in order, up to its share
-                    seen = 0
-                    for doc in _documents(srcs, cfg, d, piece):
-                        if seen >= share:
-                            break
-                        if not held[d][doc.doc_id]:
-                            yield doc.text
-                            seen += len(doc.text)
-
-            tok = train_tokenizer(texts(), vocab_size)
-        eot = tok.token_to_id(EOT)
-        tmp.mkdir(parents=True)
-        tok.save(str(tmp / "tokenizer.json"))
-        dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-        total_docs = sum(len(v) for v in ids.values())
-        spans, manifest_docs, offset = {}, [], 0
-        with (
-            open(tmp / "tokens.bin", "wb") as out,
-        ):
-            bar = Progress(total_docs, desc="tokenizing", unit="document", enabled=progress)
-            for domain in ids:
-                # the held-out documents go after the domain's training ones: kept apart until then
-                side = tmp / f"heldout-{len(spans)}.bin"
-                with open(side, "wb") as held_out:
-                    counts = _encode_domain(
-                        tok, _documents(srcs, cfg, domain, piece), held[domain], eot, dtype, out, held_out, bar
-                    )
-                with open(side, "rb") as fh:
-                    shutil.copyfileobj(fh, out, 16 << 20)
-                side.unlink()
-                spans[domain] = {}
-                for split in ("train", "heldout"):
-                    start = offset
-                    for doc_id, n, nbytes in counts[split]:
-                        manifest_docs.append(
-                            {
-                                "domain": domain,
-                                "split": split,
-                                "id": doc_id,
-                                "start": offset,
-                                "tokens": n,
-                                "bytes": nbytes,
-                            }
-                        )
-                        offset += n
-                    spans[domain][split] = [start, offset]
-            bar.close()
-        np.save(tmp / "byte_lengths.npy", token_byte_lengths(tok))
-        with open(tmp / "documents.jsonl", "w") as fh:
-            for d in manifest_docs:
-                fh.write(json.dumps(d) + "\n")
-        stats = {
-            d: {
-                split: {
-                    "documents": sum(1 for m in manifest_docs if m["domain"] == d and m["split"] == split),
-                    "tokens": spans[d][split][1] - spans[d][split][0],
-                    "bytes": sum(m["bytes"] for m in manifest_docs if m["domain"] == d and m["split"] == split),
-                }
-                for split in ("train", "heldout")
-            }
-            for d in spans
-        }
-        manifest = {
-            "key": key,
-            "version": STORE_VERSION,
-            "sources": [{"spec": s.spec, "kind": s.kind, "domains": list(s.domains)} for s in srcs],
-            "inputs": {s.spec: hashlib.sha256(json.dumps(S.fingerprint(s)).encode()).hexdigest()[:16] for s in srcs},
-            "domains": list(spans),
-            "spans": spans,
-            "stats": stats,
-            "dtype": np.dtype(dtype).name,
-            "n_tokens": int(offset),
-            "vocab_size": tok.get_vocab_size(),
-            "eot": eot,
-            "held_out_fraction": cfg.held_out_fraction,
-            "build_seconds": round(time.time() - t0, 2),
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))  # last: marks the store complete
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same store first
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
+            tok = T.train(_tokenizer_texts(domains, cfg, S.Bad(skip=cfg.bad_records == "skip")), vocab_size)
+        staging = build / ".tokenizer"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        T.save(tok, staging)
+        os.replace(staging, tok_dir)
+    (build / "units").mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    units = plan_units(all_domains)
+    workers = cfg.workers or os.cpu_count() or 1
+    done = _run_units(units, all_domains, build, tok_dir, dtype, cfg, workers, progress)
+    if sum(len(d.shards) for d in all_domains) > 1:
+        say(f"assembling the token store from {len(done)} units", progress)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    parts = _assemble(units, all_domains, len(domains), done, build, tmp, dtype, cfg)
+    for name, files in parts["left_out"].items():
+        say(f"{name}: left out {len(files)} files that are binary, not UTF-8 or not records "
+            f"({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})", progress)  # fmt: skip
+    for dom in all_domains:
+        if dom.left_out:
+            say(f"{dom.name}: left out {len(dom.left_out)} files beside its records ({', '.join(dom.left_out[:3])}"
+                f"{', ...' if len(dom.left_out) > 3 else ''})", progress)  # fmt: skip
+    for name, shards in parts["bad"].items():
+        n = sum(e["records"] for e in shards.values())
+        say(f"{name}: data.bad_records=skip left out {n} records of {len(shards)} shards "
+            f"(first: {next(iter(shards.values()))['why']})", progress)  # fmt: skip
+    T.save(tok, tmp)
+    np.save(tmp / "byte_lengths.npy", T.byte_lengths(tok))
+    manifest = {
+        "key": key,
+        "version": STORE_VERSION,
+        "sources": [{"spec": d.spec, "domain": d.name, "shards": len(d.shards)} for d in all_domains],
+        "domains": [d.name for d in domains],
+        "validation": [d.name for d in vdomains],
+        "spans": parts["spans"],
+        "stats": parts["stats"],
+        "bad_records": parts["bad"],
+        "left_out": {k: len(v) for k, v in parts["left_out"].items()},
+        "units": [{"domain": all_domains[u.domain].name, "files": [all_domains[u.domain].shards[i].rel for i in u.shards]}
+                  for u in units],  # fmt: skip
+        "dtype": np.dtype(dtype).name,
+        "n_tokens": parts["n_tokens"],
+        "vocab_size": tok.vocab_size,
+        "eot": tok.eos,
+        "bos": tok.bos if tok.add_bos else None,
+        "held_out_fraction": cfg.held_out_fraction,
+    }
+    (tmp / "build.json").write_text(json.dumps({"seconds": round(time.time() - t0, 2), "workers": cfg.workers,
+                                                 "backend": cfg.backend}))  # fmt: skip
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))  # last: marks the store complete
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished the same store first
         shutil.rmtree(tmp, ignore_errors=True)
     return open_store(final)
 
 
 def open_store(path: Path) -> TokenStore:
     manifest = json.loads((path / "manifest.json").read_text())
-    tokens = np.memmap(path / "tokens.bin", dtype=manifest["dtype"], mode="r", shape=(manifest["n_tokens"],))
+    n = manifest["n_tokens"]
+    tokens = np.memmap(path / "tokens.bin", dtype=manifest["dtype"], mode="r", shape=(n,)) if n else np.zeros(0, manifest["dtype"])
     return TokenStore(path, manifest, tokens, np.load(path / "byte_lengths.npy"))

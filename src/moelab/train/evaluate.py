@@ -77,9 +77,12 @@ class Evaluator:
         self.dispatches = {"_dropless": "dropless"} if dropless_only else {"": m.dispatch, "_dropless": "dropless"}
         b = cfg.train.batch_size
         # `mix`: the domains weighted by their share of the training rows, the loss of what the run trains on
-        self.shares = build_mixture(_no_cap(cfg), store).shares(cfg.train.steps)
+        self.shares = build_mixture(_no_cap(cfg), store).shares(cfg.train.steps) if store.domains else {}
         self.data = {}
-        for domain in store.domains:
+        # training domains with a held-out part (data.held_out_fraction 0 holds out nothing), then the
+        # validation sets (data.validation): evaluated, never trained on, outside macro and mix
+        self.train_domains = [d for d in store.domains if len(store.stream(d, "heldout")) >= 2]
+        for domain in self.train_domains + [d for d in store.validation if len(store.stream(d, "heldout")) >= 2]:
             at = offset.get(domain, 0) if isinstance(offset, dict) else offset
             rows, mask = eval_windows(store, domain, m.seq_len, cfg.train.eval_tokens, at)
             n_bytes = float(np.sum(store.byte_lengths[np.clip(rows[:, 1:], 0, len(store.byte_lengths) - 1)] * mask))
@@ -111,10 +114,13 @@ class Evaluator:
                     count += float(c)
                 losses[domain] = total / max(count, 1.0)
                 bpbs[domain] = total / math.log(2) / max(n_bytes, 1.0)
-            losses["macro"] = float(np.mean([losses[d] for d in self.data]))
-            bpbs["macro"] = float(np.mean([bpbs[d] for d in self.data]))
-            losses["mix"] = float(sum(self.shares[d] * losses[d] for d in self.data))
-            bpbs["mix"] = float(sum(self.shares[d] * bpbs[d] for d in self.data))
+            trained = self.train_domains
+            if trained:
+                share = sum(self.shares[d] for d in trained) or 1.0
+                losses["macro"] = float(np.mean([losses[d] for d in trained]))
+                bpbs["macro"] = float(np.mean([bpbs[d] for d in trained]))
+                losses["mix"] = float(sum(self.shares[d] * losses[d] for d in trained) / share)
+                bpbs["mix"] = float(sum(self.shares[d] * bpbs[d] for d in trained) / share)
             out[f"loss{suffix}"] = losses
             out[f"bpb{suffix}"] = bpbs
         return out
@@ -142,14 +148,27 @@ def restored(run_dir, step: int | None = None, progress: bool = True):
     return run, cfg, store, state, step
 
 
-def evaluate_run(run_dir, step: int | None = None, progress: bool = True) -> dict:
-    """`moelab eval`: evaluate a run's newest (or a given) checkpoint; also saved to evals/step_N.json."""
+def evaluate_run(run_dir, step: int | None = None, progress: bool = True, data: list[str] | None = None) -> dict:
+    """`moelab eval`: evaluate a run's newest (or a given) checkpoint; also saved to evals/step_N.json.
+    ``data``: sources (any of data.sources' forms) evaluated whole instead of the run's held-out
+    split, tokenized with the run's own tokenizer; saved to evals/step_N-data-KEY.json."""
+    import dataclasses
     import json
 
+    from moelab.data.store import build_store
+
     run, cfg, store, state, step = restored(run_dir, step, progress)
+    name = f"step_{step:08d}.json"
+    if data:
+        dcfg = dataclasses.replace(cfg.data, sources=(), validation=tuple(data), held_out_fraction=0.0,
+                                   max_bytes_per_domain=0, include=(), exclude=())  # fmt: skip
+        store = build_store(dcfg, cfg.model.vocab_size, progress=progress, tokenizer_dir=store.path)
+        name = f"step_{step:08d}-data-{store.manifest['key']}.json"
     res = {"step": step, **Evaluator(cfg, store)(state["params"], state["model_state"])}
+    if data:
+        res["data"] = list(data)
     (run.path / "evals").mkdir(exist_ok=True)
-    (run.path / "evals" / f"step_{step:08d}.json").write_text(json.dumps(res, indent=1))
+    (run.path / "evals" / name).write_text(json.dumps(res, indent=1))
     return res
 
 
