@@ -39,7 +39,9 @@ def _docs(n: int = 60, seed: int = 0) -> list[str]:
 
 
 def _jsonl_bytes(texts, field="text") -> bytes:
-    return "".join(json.dumps({field: t, "url": f"https://example.org/{i}"}) + "\n" for i, t in enumerate(texts)).encode()
+    return "".join(
+        json.dumps({field: t, "url": f"https://example.org/{i}"}) + "\n" for i, t in enumerate(texts)
+    ).encode()
 
 
 def _write_all_formats(root: Path, texts: list[str]) -> dict[str, Path]:
@@ -132,7 +134,9 @@ def test_a_folder_is_read_as_what_it_holds(tmp_path, tokfile):
     assert [(s.rel, s.fmt, s.codec) for s in domain.shards] == [
         ("a.json.gz", "jsonl", "gz"), ("a.jsonl.zst", "jsonl", "zst"), ("a.parquet", "parquet", "")]  # fmt: skip
     assert domain.left_out == ("README.md",)
-    store = build_store(_cfg([str(mixed)], tokfile, "data.held_out_fraction=0"), VOCAB, cache=tmp_path / "c", progress=False)
+    store = build_store(
+        _cfg([str(mixed)], tokfile, "data.held_out_fraction=0"), VOCAB, cache=tmp_path / "c", progress=False
+    )
     assert store.manifest["stats"]["mixed"]["train"]["documents"] == 3 * (len(texts) - 1)
     text = store.tokenizer().decode([int(i) for i in store.tokens if int(i) != store.eot])
     assert "https://example.org" not in text and "about these shards" not in text  # records' text only
@@ -171,7 +175,9 @@ def test_workers_and_resume_give_the_same_bytes(tmp_path, tokfile, monkeypatch):
     one = build_store(cfg, VOCAB, cache=tmp_path / "one", progress=False)
     assert len(one.manifest["units"]) >= 4
     three = build_store(
-        _cfg([str(root)], tokfile, "data.held_out_fraction=0.1", "data.workers=3"), VOCAB, cache=tmp_path / "three",
+        _cfg([str(root)], tokfile, "data.held_out_fraction=0.1", "data.workers=3"),
+        VOCAB,
+        cache=tmp_path / "three",
         progress=False,
     )
     for name in ("tokens.bin", "documents.bin", "manifest.json", "tokenizer.json"):
@@ -179,7 +185,7 @@ def test_workers_and_resume_give_the_same_bytes(tmp_path, tokfile, monkeypatch):
     # killed (SIGKILL) after two units: the next build resumes from them and gives the same bytes
     script = f"""
 import os, signal, sys
-sys.path.insert(0, {str(ROOT / 'tests')!r})
+sys.path.insert(0, {str(ROOT / "tests")!r})
 from moelab.config import load_config
 from moelab.data import store as m
 m.UNIT_BYTES = 4000
@@ -192,7 +198,7 @@ def dying(job):
 m.encode_unit = dying
 cfg = load_config("tiny", [{f"data.sources=[{root}]"!r}, {f"data.tokenizer={tokfile}"!r}, "model.vocab_size={VOCAB}",
                            "data.held_out_fraction=0.1", "data.workers=1"]).data
-m.build_store(cfg, {VOCAB}, cache={str(tmp_path / 'killed')!r}, progress=False)
+m.build_store(cfg, {VOCAB}, cache={str(tmp_path / "killed")!r}, progress=False)
 """
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == -9, res.stderr
@@ -291,14 +297,20 @@ def test_an_empty_source_is_refused(tmp_path, capsys):
 def test_held_out_fraction_is_honoured(tmp_path, tokfile):
     few = tmp_path / "few.jsonl"
     few.write_bytes(_jsonl_bytes(_docs(10)[:7] + _docs(10)[8:]))  # 9 documents
-    none = build_store(_cfg([str(few)], tokfile, "data.held_out_fraction=0"), VOCAB, cache=tmp_path / "c", progress=False)
+    none = build_store(
+        _cfg([str(few)], tokfile, "data.held_out_fraction=0"), VOCAB, cache=tmp_path / "c", progress=False
+    )
     assert len(none.stream("few", "heldout")) == 0 and none.manifest["stats"]["few"]["split"] == "hash"
     # 9 documents at 2%: hashing holds out none of them, so the domain is cut by position at 2% of its tokens
-    two = build_store(_cfg([str(few)], tokfile, "data.held_out_fraction=0.02"), VOCAB, cache=tmp_path / "c", progress=False)
+    two = build_store(
+        _cfg([str(few)], tokfile, "data.held_out_fraction=0.02"), VOCAB, cache=tmp_path / "c", progress=False
+    )
     total = len(two.stream("few", "train")) + len(two.stream("few", "heldout"))
     assert two.manifest["stats"]["few"]["split"] == "position"
     assert len(two.stream("few", "heldout")) == int(np.ceil(0.02 * total))
-    assert np.array_equal(np.concatenate([two.stream("few", "train"), two.stream("few", "heldout")]), none.stream("few", "train"))
+    assert np.array_equal(
+        np.concatenate([two.stream("few", "train"), two.stream("few", "heldout")]), none.stream("few", "train")
+    )
     # many documents: about the fraction, by hash
     many = tmp_path / "many.jsonl"
     many.write_bytes(_jsonl_bytes([f"document {i}\n" for i in range(3000)]))
@@ -326,7 +338,9 @@ def test_token_ids_are_read_as_documents(tmp_path, tokfile):
 
     tok = T.load(str(tokfile), VOCAB)
     texts = [t for t in _docs(12) if t.strip()]
-    ids = np.concatenate([np.asarray(tok.tokenizer.encode(t, add_special_tokens=False).ids + [tok.eos], np.uint16) for t in texts])
+    ids = np.concatenate(
+        [np.asarray(tok.tokenizer.encode(t, add_special_tokens=False).ids + [tok.eos], np.uint16) for t in texts]
+    )
     np.save(tmp_path / "pre.npy", ids)
     ids.tofile(tmp_path / "pre.bin")
     (tmp_path / "text.jsonl").write_bytes(_jsonl_bytes(texts))
@@ -337,3 +351,32 @@ def test_token_ids_are_read_as_documents(tmp_path, tokfile):
                           cache=tmp_path / "c", progress=False)  # fmt: skip
         assert _bytes(got) == _bytes(ref), name
         assert np.array_equal(got.documents()["bytes"], ref.documents()["bytes"])  # bytes per byte-level token
+
+
+def test_a_pretrained_tokenizer_keeps_its_own_bos_and_eos(tmp_path):
+    """A model folder with tokenizer.json and tokenizer_config.json (Llama-2's way: <s> first, </s>
+    last): no <|endoftext|> added, each document [<s>] + ids + [</s>] in the store."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    tok.train_from_iterator(_docs(100), trainer)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True})
+    )
+    texts = [t for t in _docs(20) if t.strip()]
+    (tmp_path / "d.jsonl").write_bytes(_jsonl_bytes(texts))
+    cfg = load_config("tiny", [f"data.sources=[{tmp_path / 'd.jsonl'}]", f"data.tokenizer={folder}",
+                               "data.held_out_fraction=0"]).data  # fmt: skip
+    store = build_store(cfg, 512, cache=tmp_path / "c", progress=False)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    assert store.manifest["vocab_size"] == tok.get_vocab_size() and store.tokenizer().token_to_id(store_mod.EOT) is None
+    assert store.eot == eos and store.manifest["bos"] == bos
+    expect = [[bos] + tok.encode(t).ids + [eos] for t in texts]
+    assert store.tokens.tolist() == [i for ids in expect for i in ids]
+    assert list(store.documents()["tokens"]) == [len(e) for e in expect]

@@ -17,8 +17,8 @@ from moelab.cli import main
 from moelab.config import load_config, replace
 from moelab.data import sources as S
 from moelab.data import store as store_mod
-from moelab.data.mixture import batch_at, batch_rows, build_mixture
 from moelab.data import tokenizer as T
+from moelab.data.mixture import batch_at, batch_rows, build_mixture
 from moelab.data.store import build_store, train_tokenizer
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -336,14 +337,27 @@ def test_metrics_and_eval_records(corpus, tmp_path):
 
 
 def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
-    cfg = _micro(corpus, "train.steps=10", "train.eval_every=10")
+    """Also a validation set (data.validation): evaluated in the loop, never trained on, outside
+    macro and mix; `moelab eval --data` on the same source gives the same numbers."""
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": (lib / f"{n}.py").read_text()}) + "\n" for n in ("calendar", "csv")))
+    cfg = _micro(corpus, "train.steps=10", "train.eval_every=10", f"data.validation=[paloma={val}]")
     train(cfg, tmp_path / "run", progress=False)
     assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     final = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"][-1]
     assert res["step"] == 10
-    for d in ("code", "prose", "macro"):
+    for d in ("code", "prose", "macro", "paloma"):
         assert res["loss"][d] == pytest.approx(final["loss"][d], rel=1e-6)
+    assert final["loss"]["macro"] == pytest.approx((final["loss"]["code"] + final["loss"]["prose"]) / 2)
+    assert main(["eval", str(tmp_path / "run"), "--data", f"paloma={val}", "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert set(other["loss"]) == {"paloma"} and other["data"] == [f"paloma={val}"]
+    assert other["loss"]["paloma"] == pytest.approx(final["loss"]["paloma"], rel=1e-6)
+    assert other["bpb"]["paloma"] == pytest.approx(final["bpb"]["paloma"], rel=1e-6)
     assert main(["eval", str(tmp_path / "run"), "--checkpoint", "7"]) == 2
 
 

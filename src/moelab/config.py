@@ -368,7 +368,9 @@ class DataConfig:
     # or 'name=path-or-glob' (entries with one name make one domain); or a mapping of domain names
     # to lists of paths and globs (moelab.data.sources)
     sources: tuple[str, ...] | dict[str, tuple[str, ...]] = ("stdlib",)
-    tokenizer: str = ""  # a tokenizer.json or a folder holding one (a transformers model folder); "" = train a byte-level BPE
+    tokenizer: str = (
+        ""  # a tokenizer.json or a folder holding one (a transformers model folder); "" = train a byte-level BPE
+    )
     text_field: str | dict[str, str] = "text"  # the records' text field, or a mapping of domain names to fields
     # sources never trained on, evaluated beside the held-out split (same forms as sources)
     validation: tuple[str, ...] | dict[str, tuple[str, ...]] = ()

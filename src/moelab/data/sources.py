@@ -222,7 +222,15 @@ def _classify(path: str, name: str, head: bytes | None = None) -> tuple[str, str
 def _stat(path: str) -> tuple[int, str]:
     if _is_url(path):
         info = _fs(path).info(path)
-        stamp = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or info.get("LastModified") or info.get("created") or ""
+        stamp = (
+            info.get("ETag")
+            or info.get("etag")
+            or info.get("md5Hash")
+            or info.get("mtime")
+            or info.get("LastModified")
+            or info.get("created")
+            or ""
+        )
         return int(info.get("size") or 0), str(stamp)
     st = os.stat(path)
     return st.st_size, str(st.st_mtime_ns)
@@ -302,7 +310,11 @@ def _folder_shards(folder: str, spec: str, include, exclude, prefix: str = "") -
         files, _ = _datasets_files(folder, spec)
         shards = []
         for f in files:
-            rel = prefix + os.path.relpath(f, folder).replace(os.sep, "/") if not _is_url(f) else prefix + f[len(folder) :].lstrip("/")
+            rel = (
+                prefix + os.path.relpath(f, folder).replace(os.sep, "/")
+                if not _is_url(f)
+                else prefix + f[len(folder) :].lstrip("/")
+            )
             shards.append(Shard(f, rel, "arrow", "", True, *_stat(f)))
         return shards, []
     rels = [r for r in _walk(folder) if not _hidden(r)]
@@ -368,9 +380,15 @@ def _expand(entry: str, spec: str, include, exclude) -> tuple[list[Shard], list[
     if _isdir(entry):
         shards, left = _folder_shards(entry, spec, include, exclude)
         if not shards:
-            what = f" ({len(left)} files of other kinds: {', '.join(left[:3])}{', ...' if len(left) > 3 else ''})" if left else ""
+            what = (
+                f" ({len(left)} files of other kinds: {', '.join(left[:3])}{', ...' if len(left) > 3 else ''})"
+                if left
+                else ""
+            )
             globs = (f" include {list(include)}" if include else "") + (f" exclude {list(exclude)}" if exclude else "")
-            raise DataError(f"{spec}: no files to read among {len(left)} files{globs}{what}; name a folder of text or records")
+            raise DataError(
+                f"{spec}: no files to read among {len(left)} files{globs}{what}; name a folder of text or records"
+            )
         return shards, left
     name = entry.rsplit("/", 1)[-1]
     fmt, codec = _classify(entry, name)
@@ -417,7 +435,9 @@ def _entries(sources) -> list[tuple[str | None, str, str]]:
     return out
 
 
-def resolve(sources, include=(), exclude=(), text_field: str | dict = "text", kind: str = "data.sources") -> list[Domain]:
+def resolve(
+    sources, include=(), exclude=(), text_field: str | dict = "text", kind: str = "data.sources"
+) -> list[Domain]:
     """Every domain with its shards, in order; every path checked now (a missing file, an empty glob,
     a folder with nothing to read: one line each). Domain names are unique."""
     if isinstance(sources, str):
@@ -436,9 +456,11 @@ def resolve(sources, include=(), exclude=(), text_field: str | dict = "text", ki
     named: set[str] = set()
     for name, path, spec in _entries(sources):
         if not path.strip():
-            raise DataError(f"{kind}: an empty source (an unset shell variable?); name a file, a folder, a glob or 'stdlib'")
+            raise DataError(
+                f"{kind}: an empty source (an unset shell variable?); name a file, a folder, a glob or 'stdlib'"
+            )
         if path in BUILTIN and name is None:
-            for d in (STDLIB_DOMAINS if path == "stdlib" else CHEADERS_DOMAINS):
+            for d in STDLIB_DOMAINS if path == "stdlib" else CHEADERS_DOMAINS:
                 if d in domains:
                     raise DataError(f"{spec}: domain {d!r} is already named by another source; rename one")
             for d, shards in _builtin(path).items():
@@ -546,7 +568,9 @@ def _builtin(name: str) -> dict[str, list[Shard]]:
         out = {d: [] for d in CHEADERS_DOMAINS}
     for domain, path in files:
         st = path.stat()
-        out[domain].append(Shard(str(path), str(path.relative_to(root)), "text", "", False, st.st_size, str(st.st_mtime_ns)))
+        out[domain].append(
+            Shard(str(path), str(path.relative_to(root)), "text", "", False, st.st_size, str(st.st_mtime_ns))
+        )
     if name == "stdlib":
         import sys
 
@@ -656,7 +680,9 @@ def _read_jsonl(domain: Domain, shard: Shard, bad: Bad) -> Iterator[Document]:
                 obj = json.loads(line)
             except (json.JSONDecodeError, RecursionError):
                 if lineno == 1 and line.lstrip().startswith("["):
-                    raise DataError(f"{where}: a JSON array, not JSON lines (one object per line); convert it") from None
+                    raise DataError(
+                        f"{where}: a JSON array, not JSON lines (one object per line); convert it"
+                    ) from None
                 bad.record(shard, where, "not valid JSON")
                 continue
             if not isinstance(obj, dict) or f not in obj:
@@ -715,7 +741,12 @@ def _read_parquet(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -
             return
         names = pf.schema_arrow.names
         if f not in names:
-            bad.record(shard, shard.path, f"no column {f!r} (columns: {', '.join(names[:8])}; set data.text_field)", pf.metadata.num_rows)
+            bad.record(
+                shard,
+                shard.path,
+                f"no column {f!r} (columns: {', '.join(names[:8])}; set data.text_field)",
+                pf.metadata.num_rows,
+            )
             return
         row = 0
         try:
@@ -754,7 +785,9 @@ def _read_arrow(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -> 
             bad.record(shard, shard.path, f"not a readable Arrow file ({msg}); is it truncated?")
             return
         if f not in schema.names:
-            bad.record(shard, shard.path, f"no column {f!r} (columns: {', '.join(schema.names[:8])}; set data.text_field)")
+            bad.record(
+                shard, shard.path, f"no column {f!r} (columns: {', '.join(schema.names[:8])}; set data.text_field)"
+            )
             return
         index = schema.get_field_index(f)
         row = 0
@@ -794,7 +827,9 @@ def iter_shard(domain: Domain, shard: Shard, bad: Bad | None = None, left_out: l
         else:
             raise DataError(f"{shard.path}: token ids are read by the store (moelab.data.store), not as text")
     except (EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
-        bad.record(shard, shard.path, f"cannot be read ({type(exc).__name__}: {str(exc) or 'ends early'}); is it truncated?")
+        bad.record(
+            shard, shard.path, f"cannot be read ({type(exc).__name__}: {str(exc) or 'ends early'}); is it truncated?"
+        )
     except Exception as exc:  # zstandard's errors
         if type(exc).__module__.startswith("zstandard") or "zstd" in type(exc).__name__.lower():
             bad.record(shard, shard.path, f"cannot be read (zstd: {exc}); is it truncated?")

@@ -50,6 +50,7 @@ UNIT_BYTES = 32 << 20  # consecutive shards of a domain are tokenized together u
 TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
 ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call while encoding
 ENCODE_BATCH_DOCS = 8192
+QUIET_BYTES = 4 << 20  # a build from less input than this says nothing (it takes a second or two)
 DOC = np.dtype([("tokens", "<u8"), ("bytes", "<u8"), ("hash", "<u8"), ("row", "<u8"), ("file", "<u4")])
 INDEX = np.dtype(
     [("domain", "<u2"), ("split", "u1"), ("unit", "<u4"), ("file", "<u4"), ("row", "<u8"),
@@ -227,7 +228,13 @@ def encode_unit(job: dict) -> dict:
             ids.astype(dtype, copy=False).tofile(ftok)
             rec = np.empty(len(texts), DOC)
             m = np.asarray(meta, np.uint64).reshape(-1, 4)
-            rec["tokens"], rec["bytes"], rec["hash"], rec["row"], rec["file"] = lengths, m[:, 0], m[:, 1], m[:, 2], m[:, 3]
+            rec["tokens"], rec["bytes"], rec["hash"], rec["row"], rec["file"] = (
+                lengths,
+                m[:, 0],
+                m[:, 1],
+                m[:, 2],
+                m[:, 3],
+            )
             rec.tofile(fdoc)
             stats["documents"] += len(texts)
             stats["tokens"] += int(lengths.sum())
@@ -402,7 +409,9 @@ def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfi
             docs += stats["documents"]
             tokens += stats["tokens"]
             dt = max(time.monotonic() - t0, 1e-9)
-            bar.set_postfix(**{"MB/s": f"{text_bytes / 1e6 / dt:.1f}", "documents": f"{docs:,}", "tokens": f"{tokens:,}"})
+            bar.set_postfix(
+                **{"MB/s": f"{text_bytes / 1e6 / dt:.1f}", "documents": f"{docs:,}", "tokens": f"{tokens:,}"}
+            )
             bar.update(round(stats["size"] / 1e6) if bar.n + round(stats["size"] / 1e6) <= bar.total else 0)
     finally:
         runner.close()
@@ -474,7 +483,11 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                 for u, docs in unit_docs:
                     held = held_all[k : k + len(docs)]
                     k += len(docs)
-                    tokens = np.memmap(build / "units" / f"{u.index:06d}.tok", dtype=dtype, mode="r") if docs["tokens"].sum() else np.zeros(0, dtype)
+                    tokens = (
+                        np.memmap(build / "units" / f"{u.index:06d}.tok", dtype=dtype, mode="r")
+                        if docs["tokens"].sum()
+                        else np.zeros(0, dtype)
+                    )
                     starts = np.concatenate([[0], np.cumsum(docs["tokens"], dtype=np.int64)])
                     rows = np.empty(len(docs), INDEX)
                     rows["domain"], rows["unit"], rows["file"], rows["row"] = di, u.index, docs["file"], docs["row"]
@@ -517,7 +530,11 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                 spans[dom.name] = {"train": [domain_start, cut], "heldout": [cut, train_end]}
                 share = (train_end - cut) / max(total, 1)
                 stats[dom.name] = {
-                    "train": {"documents": n_docs, "tokens": cut - domain_start, "bytes": round(bytes_train * (1 - share))},
+                    "train": {
+                        "documents": n_docs,
+                        "tokens": cut - domain_start,
+                        "bytes": round(bytes_train * (1 - share)),
+                    },
                     "heldout": {"documents": 0, "tokens": train_end - cut, "bytes": round(bytes_train * share)},
                     "split": "position",
                 }
@@ -578,10 +595,16 @@ def _tokenizer_texts(domains: list[S.Domain], cfg: DataConfig, bad: S.Bad):
 
 def resolve_all(cfg: DataConfig) -> tuple[list[S.Domain], list[S.Domain]]:
     domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field)
-    vdomains = S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation") if cfg.validation else []
+    vdomains = (
+        S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation")
+        if cfg.validation
+        else []
+    )
     clash = {d.name for d in domains} & {d.name for d in vdomains}
     if clash:
-        raise S.DataError(f"data.validation: domain {sorted(clash)[0]!r} is also a training domain; name it apart (name=path)")
+        raise S.DataError(
+            f"data.validation: domain {sorted(clash)[0]!r} is also a training domain; name it apart (name=path)"
+        )
     return domains, vdomains
 
 
@@ -589,7 +612,6 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
                 tokenizer_dir: Path | None = None) -> TokenStore:  # fmt: skip
     """Load the store for these inputs, building it first if there is none that is complete.
     ``tokenizer_dir``: a store whose tokenizer to use (evaluating a run on other data)."""
-    from moelab.progress import say
 
     domains, vdomains = resolve_all(cfg)
     if tokenizer_dir is not None:
@@ -605,6 +627,8 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
         return open_store(final)
     root.mkdir(parents=True, exist_ok=True)
     build = root / f".build-store-{key}"
+    # a corpus this small builds in a second or two: nothing to say while it does
+    progress = progress and sum(s.size for d in domains + vdomains for s in d.shards) > QUIET_BYTES
     with _lock(root / f".build-store-{key}.lock", progress):
         if (final / "manifest.json").exists():
             return open_store(final)
@@ -682,8 +706,10 @@ def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, fina
         "stats": parts["stats"],
         "bad_records": parts["bad"],
         "left_out": {k: len(v) for k, v in parts["left_out"].items()},
-        "units": [{"domain": all_domains[u.domain].name, "files": [all_domains[u.domain].shards[i].rel for i in u.shards]}
-                  for u in units],  # fmt: skip
+        "units": [
+            {"domain": all_domains[u.domain].name, "files": [all_domains[u.domain].shards[i].rel for i in u.shards]}
+            for u in units
+        ],  # fmt: skip
         "dtype": np.dtype(dtype).name,
         "n_tokens": parts["n_tokens"],
         "vocab_size": tok.vocab_size,
@@ -704,5 +730,9 @@ def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, fina
 def open_store(path: Path) -> TokenStore:
     manifest = json.loads((path / "manifest.json").read_text())
     n = manifest["n_tokens"]
-    tokens = np.memmap(path / "tokens.bin", dtype=manifest["dtype"], mode="r", shape=(n,)) if n else np.zeros(0, manifest["dtype"])
+    tokens = (
+        np.memmap(path / "tokens.bin", dtype=manifest["dtype"], mode="r", shape=(n,))
+        if n
+        else np.zeros(0, manifest["dtype"])
+    )
     return TokenStore(path, manifest, tokens, np.load(path / "byte_lengths.npy"))
