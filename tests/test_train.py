@@ -334,6 +334,9 @@ def test_metrics_and_eval_records(corpus, tmp_path):
     w = code / (code + prose)
     assert 0.05 < w < 0.95
     assert e["loss"]["mix"] == pytest.approx(w * e["loss"]["code"] + (1 - w) * e["loss"]["prose"], rel=1e-9)
+    # epochs counted exactly: every row read is one window of one domain's shuffled pass
+    windows = {d: (len(store.stream(d, "train")) - 1) // 32 for d in ("code", "prose")}
+    assert sum(r["epochs"][d] * windows[d] for d in windows) == pytest.approx(20 * 4)
 
 
 def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):

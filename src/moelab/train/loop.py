@@ -21,7 +21,7 @@ import numpy as np
 
 from moelab import accounting
 from moelab.config import Config, config_hash, to_dict
-from moelab.data.mixture import batch_at, batch_rows, build_mixture
+from moelab.data.mixture import batch_at, batch_rows, build_mixture, epochs_at
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.monitor.faults import Injector
@@ -498,6 +498,8 @@ class _Job:
                 "step_time": t_sum / n if n else float("nan"),
                 "mfu": per_device * self.flops_per_token / self.peak if self.peak else float("nan"),
                 "phase": self.mixture.phase_at(done - 1),
+                # passes over each domain's training windows so far (a shuffled pass per epoch, counted exactly)
+                "epochs": epochs_at(self.store, self.mixture, cfg.train.seed, done, self.b, self.s_len),
             }
             self.record(_train_record(done, cfg, m, extra))
             self.bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
