@@ -182,6 +182,12 @@ def test_workers_and_resume_give_the_same_bytes(tmp_path, tokfile, monkeypatch):
     )
     for name in ("tokens.bin", "documents.bin", "manifest.json", "tokenizer.json"):
         assert _bytes(three, name) == _bytes(one, name), name
+    monkeypatch.setattr(store_mod, "ASSEMBLE_DOCS", 7)  # the assembly's chunks cut units and held-out runs
+    chunked = build_store(cfg, VOCAB, cache=tmp_path / "chunked", progress=False)
+    for name in ("tokens.bin", "documents.bin", "manifest.json"):
+        assert _bytes(chunked, name) == _bytes(one, name), name
+    monkeypatch.undo()
+    monkeypatch.setattr(store_mod, "UNIT_BYTES", 4000)
     # killed (SIGKILL) after two units: the next build resumes from them and gives the same bytes
     script = f"""
 import os, signal, sys

@@ -734,7 +734,8 @@ def _read_parquet(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -
     local = _local_copy(shard, tmp_dir)
     try:
         try:
-            pf = pq.ParquetFile(local if local else _open_raw(shard.path), memory_map=bool(local))
+            # read, not memory-mapped: a mapped file's pages count in the process's memory as it is read
+            pf = pq.ParquetFile(local if local else _open_raw(shard.path), memory_map=False, pre_buffer=False)
         except (pa.ArrowInvalid, OSError) as exc:
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             bad.record(shard, shard.path, f"not a readable parquet file ({msg}); is it truncated?")
@@ -770,7 +771,7 @@ def _read_arrow(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -> 
     f = domain.text_field
     local = _local_copy(shard, tmp_dir)
     try:
-        src = pa.memory_map(local) if local else _open_raw(shard.path)
+        src = pa.OSFile(local) if local else _open_raw(shard.path)  # one record batch at a time
         try:
             try:
                 reader = pa.ipc.open_file(src)

@@ -396,8 +396,11 @@ def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfi
                 u = queue.pop(0)
                 if capped(u.domain):
                     continue
-                job = {"domain": domains[u.domain], "unit": u, "dir": str(build), "tokenizer": str(tok_dir),
-                       "dtype": np.dtype(dtype).name, "skip": cfg.bad_records == "skip"}  # fmt: skip
+                dom = domains[u.domain]  # only the unit's own shards travel with its job
+                part = S.Domain(dom.name, dom.spec, tuple(dom.shards[i] for i in u.shards), dom.text_field)
+                job = {"domain": part, "unit": Unit(u.index, u.domain, tuple(range(len(u.shards))), u.size),
+                       "dir": str(build), "tokenizer": str(tok_dir), "dtype": np.dtype(dtype).name,
+                       "skip": cfg.bad_records == "skip"}  # fmt: skip
                 runner.submit(job, u.index)
                 in_flight += 1
             if not in_flight:
@@ -423,8 +426,39 @@ def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfi
 # ---------------------------------------------------------------- assembly
 
 
+ASSEMBLE_DOCS = 1 << 20  # documents of the index handled at a time while assembling
+
+
+def _doc_chunks(build: Path, unit: Unit, skip: int = 0):
+    """A unit's document records in chunks of ASSEMBLE_DOCS (memory-mapped, never whole)."""
+    path = build / "units" / f"{unit.index:06d}.doc"
+    n = path.stat().st_size // DOC.itemsize
+    if not n:
+        return
+    docs = np.memmap(path, dtype=DOC, mode="r", shape=(n,))
+    for lo in range(0, n, ASSEMBLE_DOCS):
+        yield lo, np.array(docs[lo : lo + ASSEMBLE_DOCS])
+
+
+def _kept(build: Path, units: list[Unit], cap: int):
+    """(unit, first doc, chunk) of a domain's documents in order, within data.max_bytes_per_domain
+    (whole documents: one is kept while the text before it is under the cap)."""
+    size = 0
+    for u in units:
+        for lo, docs in _doc_chunks(build, u):
+            if cap:
+                before = size + np.concatenate([[0], np.cumsum(docs["bytes"], dtype=np.int64)[:-1]])
+                docs = docs[before < cap]
+            size += int(docs["bytes"].sum())
+            yield u, lo, docs
+            if cap and size >= cap:
+                return
+
+
 def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: Path, tmp: Path, dtype, cfg) -> dict:
-    """Write tokens.bin and documents.bin in order; return the spans and statistics."""
+    """Write tokens.bin and documents.bin in order; return the spans and statistics. Streams: a
+    domain's documents are read in chunks twice (to count what hashing holds out, then to write),
+    its held-out tokens and index rows go to side files appended after its training ones."""
     f = cfg.held_out_fraction
     cap = cfg.max_bytes_per_domain
     spans, stats, bads, left = {}, {}, {}, {}
@@ -432,63 +466,51 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
     itemsize = np.dtype(dtype).itemsize
     by_domain: dict[int, list[Unit]] = {}
     for u in units:
-        by_domain.setdefault(u.domain, []).append(u)
+        if u.index in done:  # a unit past the byte cap was never tokenized
+            by_domain.setdefault(u.domain, []).append(u)
     with open(tmp / "tokens.bin", "wb") as out, open(tmp / "documents.bin", "wb") as index:
         for di, dom in enumerate(domains):
             validation = di >= n_train
-            side_path = tmp / f".heldout-{di}.bin"
-            held_rows: list[np.ndarray] = []
-            size = 0
-            domain_start = offset
-            side_off = 0
-            n_docs = n_held = 0
-            tok_train = tok_held = bytes_train = bytes_held = 0
-            unit_docs = []
-            for u in by_domain.get(di, []):
-                if u.index not in done:  # past the byte cap
-                    continue
-                docs = np.fromfile(build / "units" / f"{u.index:06d}.doc", DOC)
-                if cap:
-                    before = size + np.concatenate([[0], np.cumsum(docs["bytes"], dtype=np.int64)[:-1]])
-                    docs = docs[before < cap]
-                size += int(docs["bytes"].sum())
-                unit_docs.append((u, docs))
-                st = done[u.index]
-                for rel, entry in st.get("bad", {}).items():
+            mine = by_domain.get(di, [])
+            for u in mine:
+                for rel, entry in done[u.index].get("bad", {}).items():
                     bads.setdefault(dom.name, {})[rel] = entry
-                if st.get("left_out"):
-                    left.setdefault(dom.name, []).extend(st["left_out"])
-                if cap and size >= cap:
-                    break
-            all_hash = np.concatenate([d["hash"] for _, d in unit_docs]) if unit_docs else np.zeros(0, np.uint64)
-            if validation:
-                held_all = np.ones(len(all_hash), bool)
-            else:
-                held_all = all_hash.astype(np.float64) / 2.0**64 < f if f > 0 else np.zeros(len(all_hash), bool)
-            by_position = bool(f > 0 and not validation and len(all_hash) and (held_all.all() or not held_all.any()))
-            if by_position:
-                held_all[:] = False
-            if not len(all_hash):
-                what = dom.spec
-                if left.get(dom.name):
-                    names = left[dom.name]
+                if done[u.index].get("left_out"):
+                    left.setdefault(dom.name, []).extend(done[u.index]["left_out"])
+            n_docs = n_held = 0
+            for _, _, docs in _kept(build, mine, cap):  # pass 1: how many documents hashing holds out
+                n_docs += len(docs)
+                if f > 0:
+                    n_held += int(np.count_nonzero(docs["hash"].astype(np.float64) / 2.0**64 < f))
+            if not n_docs:
+                names = left.get(dom.name)
+                if names:
                     raise S.DataError(
-                        f"{what}: no UTF-8 text files among {len(names)} files ({len(names)} binary or not UTF-8: "
+                        f"{dom.spec}: no UTF-8 text files among {len(names)} files ({len(names)} binary or not UTF-8: "
                         f"{', '.join(n.rsplit('/', 1)[-1] for n in names[:3])}{', ...' if len(names) > 3 else ''}); "
                         "name a directory of text, or change data.include / data.exclude"
                     )
-                raise S.DataError(f"{what}: domain {dom.name!r} has no documents with text")
-            k = 0
-            with open(side_path, "wb") as side:
-                for u, docs in unit_docs:
-                    held = held_all[k : k + len(docs)]
-                    k += len(docs)
-                    tokens = (
-                        np.memmap(build / "units" / f"{u.index:06d}.tok", dtype=dtype, mode="r")
-                        if docs["tokens"].sum()
-                        else np.zeros(0, dtype)
-                    )
-                    starts = np.concatenate([[0], np.cumsum(docs["tokens"], dtype=np.int64)])
+                raise S.DataError(f"{dom.spec}: domain {dom.name!r} has no documents with text")
+            by_position = bool(f > 0 and not validation and n_held in (0, n_docs))
+            domain_start = offset
+            side_off = first = 0
+            held_docs = tok_held = bytes_held = bytes_all = 0
+            side_tok, side_idx = tmp / f".heldout-{di}.bin", tmp / f".heldout-{di}.idx"
+            with open(side_tok, "wb") as side, open(side_idx, "wb") as side_index:
+                for u, lo, docs in _kept(build, mine, cap):  # pass 2: write
+                    if validation:
+                        held = np.ones(len(docs), bool)
+                    elif f > 0 and not by_position:
+                        held = docs["hash"].astype(np.float64) / 2.0**64 < f
+                    else:
+                        held = np.zeros(len(docs), bool)
+                    path = build / "units" / f"{u.index:06d}.tok"
+                    n_tok = path.stat().st_size // itemsize
+                    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, dtype)
+                    if lo == 0:  # a unit's first chunk: its tokens start at the top of its file
+                        first = 0
+                    starts = first + np.concatenate([[0], np.cumsum(docs["tokens"], dtype=np.int64)])
+                    first = int(starts[-1])
                     rows = np.empty(len(docs), INDEX)
                     rows["domain"], rows["unit"], rows["file"], rows["row"] = di, u.index, docs["file"], docs["row"]
                     rows["tokens"], rows["bytes"], rows["split"] = docs["tokens"], docs["bytes"], held
@@ -497,33 +519,37 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
                         if a == b:
                             continue
-                        chunk = tokens[starts[a] : starts[b]]
+                        chunk = np.ascontiguousarray(tokens[starts[a] : starts[b]])
                         if held[a]:
                             rows["start"][a:b] = side_off + (starts[a:b] - starts[a])
                             side_off += len(chunk)
-                            side.write(np.ascontiguousarray(chunk).tobytes())
+                            side.write(chunk.tobytes())
                         else:
                             rows["start"][a:b] = offset + (starts[a:b] - starts[a])
                             offset += len(chunk)
-                            out.write(np.ascontiguousarray(chunk).tobytes())
+                            out.write(chunk.tobytes())
                     rows[~held].tofile(index)
-                    if held.any():
-                        held_rows.append(rows[held])
-                    n_docs += len(docs)
-                    n_held += int(held.sum())
+                    rows[held].tofile(side_index)
+                    held_docs += int(held.sum())
                     tok_held += int(docs["tokens"][held].sum())
                     bytes_held += int(docs["bytes"][held].sum())
+                    bytes_all += int(docs["bytes"].sum())
                     del tokens
             train_end = offset
-            with open(side_path, "rb") as side:
+            with open(side_tok, "rb") as side:
                 shutil.copyfileobj(side, out, 16 << 20)
-            side_path.unlink()
             offset += side_off
-            for r in held_rows:
-                r["start"] += train_end
-                r.tofile(index)
-            tok_train = train_end - domain_start
-            bytes_train = int(sum(int(d["bytes"].sum()) for _, d in unit_docs)) - bytes_held
+            n_side = side_idx.stat().st_size // INDEX.itemsize
+            if n_side:
+                held_rows = np.memmap(side_idx, dtype=INDEX, mode="r", shape=(n_side,))
+                for lo in range(0, n_side, ASSEMBLE_DOCS):
+                    r = np.array(held_rows[lo : lo + ASSEMBLE_DOCS])
+                    r["start"] += train_end
+                    r.tofile(index)
+                del held_rows
+            side_tok.unlink()
+            side_idx.unlink()
+            bytes_train = bytes_all - bytes_held
             if by_position:
                 total = train_end - domain_start
                 cut = train_end - max(1, math.ceil(f * total))
@@ -541,8 +567,12 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
             else:
                 spans[dom.name] = {"train": [domain_start, train_end], "heldout": [train_end, offset]}
                 stats[dom.name] = {
-                    "train": {"documents": n_docs - n_held, "tokens": tok_train, "bytes": bytes_train},
-                    "heldout": {"documents": n_held, "tokens": tok_held, "bytes": bytes_held},
+                    "train": {
+                        "documents": n_docs - held_docs,
+                        "tokens": train_end - domain_start,
+                        "bytes": bytes_train,
+                    },
+                    "heldout": {"documents": held_docs, "tokens": tok_held, "bytes": bytes_held},
                     "split": "validation" if validation else "hash",
                 }
     assert (tmp / "tokens.bin").stat().st_size == offset * itemsize
@@ -676,7 +706,7 @@ def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, fina
     (build / "units").mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     units = plan_units(all_domains)
-    workers = cfg.workers or os.cpu_count() or 1
+    workers = cfg.workers or len(os.sched_getaffinity(0)) or 1  # the cores this process may use
     done = _run_units(units, all_domains, build, tok_dir, dtype, cfg, workers, progress)
     if sum(len(d.shards) for d in all_domains) > 1:
         say(f"assembling the token store from {len(done)} units", progress)
