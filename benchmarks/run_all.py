@@ -25,6 +25,8 @@ SCRIPTS = [
     ["noise_floor.py"],
     ["lr_rule.py"],
     ["store_memory.py"],
+    # issue 26: the token store against the tokenizer's own encode_batch, 1 core and all; 5M documents
+    ["data_pipeline.py"],
     ["first_minute.py"],
     ["memory_plan.py"],
     ["compile_depth.py"],
