@@ -140,6 +140,19 @@ def test_a_folder_is_read_as_what_it_holds(tmp_path, tokfile):
     assert store.manifest["stats"]["mixed"]["train"]["documents"] == 3 * (len(texts) - 1)
     text = store.tokenizer().decode([int(i) for i in store.tokens if int(i) != store.eot])
     assert "https://example.org" not in text and "about these shards" not in text  # records' text only
+    # a folder of .json files holding JSON lines (a byte-order mark on one) is records too
+    plain = tmp_path / "plainjson"
+    plain.mkdir()
+    (plain / "a.json").write_bytes(_jsonl_bytes(texts[:5]))
+    (plain / "b.json").write_bytes(b"\xef\xbb\xbf" + _jsonl_bytes(texts[5:9]))
+    (pj,) = S.resolve([str(plain)])
+    assert [s.fmt for s in pj.shards] == ["jsonl", "jsonl"] and [d.text for d in S.iter_documents(pj)] == texts[:9]
+    code = tmp_path / "jsproject"  # ... but a package.json beside code is text, like the code
+    code.mkdir()
+    (code / "package.json").write_text('{\n  "name": "x"\n}\n')
+    (code / "index.js").write_text("console.log(1);\n")
+    (js,) = S.resolve([str(code)])
+    assert [(s.rel, s.fmt) for s in js.shards] == [("index.js", "text"), ("package.json", "text")]
     # a datasets save_to_disk folder is its Arrow data, never its JSON metadata
     (ds,) = S.resolve([str(files["save_to_disk"])])
     assert [s.fmt for s in ds.shards] == ["arrow"]

@@ -208,8 +208,8 @@ def _classify(path: str, name: str, head: bytes | None = None) -> tuple[str, str
         codec = next((c for magic, c in MAGIC if head.startswith(magic)), "")
     if ext in RECORD_SUFFIXES:
         return RECORD_SUFFIXES[ext], codec
-    if ext == ".json":
-        return ("jsonl" if codec else ""), codec
+    if ext == ".json":  # JSON lines when compressed or when its first line is a whole object; else its folder decides
+        return ("jsonl" if codec or _object_line(path) else ""), codec
     if ext == ".npy" and not codec:
         return "tokens", codec
     if head.startswith(b"PAR1"):
@@ -217,6 +217,15 @@ def _classify(path: str, name: str, head: bytes | None = None) -> tuple[str, str
     if head.startswith(b"ARROW1") or head.startswith(b"\xff\xff\xff\xff"):
         return "arrow", codec
     return "text", codec
+
+
+def _object_line(path: str) -> bool:
+    """Whether a file's first line is a whole JSON object (JSON lines; a package.json opens with "{")."""
+    line = _head(path, 1 << 16).split(b"\n", 1)[0].removeprefix(b"\xef\xbb\xbf")
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _stat(path: str) -> tuple[int, str]:
@@ -676,6 +685,8 @@ def _read_jsonl(domain: Domain, shard: Shard, bad: Bad) -> Iterator[Document]:
             except UnicodeDecodeError:
                 bad.record(shard, where, "not UTF-8 text")
                 continue
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark
             try:
                 obj = json.loads(line)
             except (json.JSONDecodeError, RecursionError):
