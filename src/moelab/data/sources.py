@@ -696,6 +696,8 @@ def _read_jsonl(domain: Domain, shard: Shard, bad: Bad) -> Iterator[Document]:
                     ) from None
                 bad.record(shard, where, "not valid JSON")
                 continue
+            if lineno == 1 and isinstance(obj, list):
+                raise DataError(f"{where}: a JSON array, not JSON lines (one object per line); convert it")
             if not isinstance(obj, dict) or f not in obj:
                 bad.record(shard, where, f"no {f!r} field (set data.text_field)")
                 continue
