@@ -178,6 +178,10 @@ CASES = [
     ("train tiny --data {t}/nonexist --out {t}/o", "nonexist"),
     ("train tiny --data {f}/good.csv --out {t}/o", "good.csv"),
     ("train tiny --set train.steps=2.5 --out {t}/o", "train.steps"),
+    # runs that cannot fit are refused before they start, with the plan's figure and what fits
+    ("train tiny --set train.batch_size=100000 --out {t}/o", "train.batch_size 2"),
+    ("train tiny --set model.n_routed=100000 --out {t}/o", "not even one sequence per device fits"),
+    ("train tiny --data  --out {t}/o", "an empty source"),
     # replan
     ("replan {run} --tokens nan --reason x", "--tokens"),
     ("replan {run} --tokens inf --reason x", "--tokens"),

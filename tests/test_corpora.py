@@ -399,3 +399,14 @@ def test_a_pretrained_tokenizer_keeps_its_own_bos_and_eos(tmp_path):
     expect = [[bos] + tok.encode(t).ids + [eos] for t in texts]
     assert store.tokens.tolist() == [i for ids in expect for i in ids]
     assert list(store.documents()["tokens"]) == [len(e) for e in expect]
+
+
+def test_devices_past_the_simulation_limit_and_a_mismatched_mesh_are_refused_at_once(tmp_path):
+    """`--devices 100000` used to hang while XLA made the devices; a count the mesh does not use is named."""
+    for args, message in ((["--devices", "100000"], "--devices: 100000 simulated CPU devices is more than"),
+                          (["--devices", "4"], "the config's mesh is mesh.data x mesh.expert = 1 x 1 = 1")):  # fmt: skip
+        res = subprocess.run([sys.executable, "-m", "moelab", "train", "tiny", *args, "--out", str(tmp_path / "o")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr
+        assert not (tmp_path / "o").exists()

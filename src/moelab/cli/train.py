@@ -149,15 +149,33 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.devices is not None:
         from moelab.parallel.mesh import MeshError, request_devices
+        from moelab.train.memory import MAX_SIMULATED_DEVICES
 
         if args.devices < 1:
             raise UsageError(f"--devices: must be >= 1, got {args.devices}")
+        if args.devices > MAX_SIMULATED_DEVICES and "jax" not in sys.modules:
+            raise UsageError(
+                f"--devices: {args.devices} simulated CPU devices is more than {MAX_SIMULATED_DEVICES} (XLA would take "
+                f"minutes to start them, or hang); plan a larger mesh with moelab plan memory --mesh data=D,expert=E"
+            )
         try:
             request_devices(args.devices)  # before JAX loads
         except MeshError as exc:
             raise UsageError(str(exc)) from None
     _check_out(args)
     cfg = _train_config(args)  # refuse a bad config before anything starts
+    import os
+
+    job = bool(args.coordinator or os.environ.get("MOELAB_COORDINATOR"))  # --devices: this process's share
+    if not job and args.devices is not None and args.devices != cfg.mesh.data * cfg.mesh.expert:
+        raise UsageError(
+            f"--devices {args.devices}: the config's mesh is mesh.data x mesh.expert = {cfg.mesh.data} x "
+            f"{cfg.mesh.expert} = {cfg.mesh.data * cfg.mesh.expert}; make the product {args.devices} (--set mesh.data=...)"
+        )
+    if not (job or args.max_restarts):  # (a job's processes after joining; a supervisor's child checks for itself)
+        from moelab.train.memory import fit_check
+
+        fit_check(cfg)  # a run that cannot fit is refused before anything is written
     _make_out(args.out)
     _join_job(args)
     if args.max_restarts:

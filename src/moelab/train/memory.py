@@ -470,3 +470,61 @@ def compiler_check(
         "within_15pct": abs(full["counted"] / scaled - 1) <= 0.15,
         "global_dispatch": global_dispatch(cfg, n_dev, expert, b),
     }
+
+
+MAX_SIMULATED_DEVICES = 1024  # more simulated CPU devices than this and XLA takes minutes to start, or hangs
+
+
+def fit_check(cfg: Config) -> None:
+    """Refuse, in one line, a run whose plan cannot fit the devices it will run on (before anything
+    is written): on an accelerator each device's memory (the table in moelab.devices, else what JAX
+    reports); on CPU the machine's memory, shared by every simulated device. The line gives the
+    plan's figure and the largest micro-batch that fits. ``MOELAB_NO_FIT_CHECK=1`` skips it."""
+    import os
+
+    import jax
+
+    from moelab.errors import RunRefused
+
+    if os.environ.get("MOELAB_NO_FIT_CHECK"):
+        return
+    data, expert = cfg.mesh.data, cfg.mesh.expert
+    n_dev = data * expert
+    if n_dev > jax.device_count() or cfg.model.n_routed % expert or cfg.train.batch_size % n_dev:
+        return  # the mesh check that follows names these
+    dev = jax.devices()[0]
+    if jax.default_backend() == "cpu":
+        import psutil
+
+        memory = psutil.virtual_memory().total / n_dev  # the simulated devices share this machine's memory
+        total_gb = psutil.virtual_memory().total / GB
+        where = (f"this machine holds {total_gb:,.1f} GB" if n_dev == 1
+                 else f"this machine's {total_gb:,.1f} GB shared by {n_dev} simulated devices is {memory / GB:,.1f} GB each")  # fmt: skip
+    else:
+        known = devices.of_kind(dev.device_kind)
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        limit = (stats or {}).get("bytes_limit")
+        memory = limit if limit else (known.memory_gb * GB if known else None)
+        if memory is None:
+            return
+        where = f"a {dev.device_kind} holds {memory / GB:,.1f} GB"
+    try:
+        p = plan(cfg, data, expert, device_memory_gb=memory / GB, max_micro_batch=False)
+    except Exception:  # a config the plan cannot trace here (cudnn on CPU): the run's own checks name it
+        return
+    if p["fits"]:
+        return
+    sizes = {"data": data, "expert": expert}
+    fixed = {k: p["rows"][k] for k in ("parameters", "optimizer", "gradients", "gathered_weights")}
+    best = largest_micro_batch(cfg, sizes, p["mesh"]["fsdp"], fixed, memory)
+    what = (
+        f"at most {best} sequences per device fit: train.batch_size {best * n_dev} or less"
+        if best
+        else "not even one sequence per device fits: the parameters, gradients and optimizer state alone need "
+        f"{sum(fixed.values()) / GB:,.1f} GB; shrink the model or spread it over more devices (mesh.expert, mesh.fsdp)"
+    )
+    raise RunRefused(
+        f"memory: the plan needs {p['total'] / GB:,.1f} GB per device ({p['micro_batch']} sequences of "
+        f"{cfg.model.seq_len} tokens) and {where}; {what} "
+        "(moelab plan memory; MOELAB_NO_FIT_CHECK=1 to try anyway)"
+    )
