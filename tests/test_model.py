@@ -480,3 +480,19 @@ def test_router_logits_at_plus_and_minus_100_give_finite_losses_and_gradients(dt
         logits.astype(jnp.float32)
     )
     assert bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_auto_attention_on_a_gpu_picks_cudnn_only_for_the_dtypes_it_takes(monkeypatch):
+    """JAX's cuDNN attention accepts only fp16/bf16: `auto` on a GPU in float32 (the default dtype)
+    must take moelab's own path, and an explicit cudnn in float32 is refused in one line."""
+    from moelab.model import transformer as tr
+
+    m = load_config("tiny").model
+    monkeypatch.setattr(tr.jax, "default_backend", lambda: "gpu")  # the backend's answer, simulated
+    assert tr.attention_impl(dataclasses.replace(m, compute_dtype="float32"), 128) == "blocked"
+    assert tr.attention_impl(dataclasses.replace(m, compute_dtype="float32"), 4096) == "flash"
+    for dtype in ("bfloat16", "float16"):
+        assert tr.attention_impl(dataclasses.replace(m, compute_dtype=dtype), 128) == "cudnn"
+    problems = tr.backend_problems(dataclasses.replace(m, attention_impl="cudnn", compute_dtype="float32"))
+    assert len(problems) == 1 and "cudnn takes bfloat16 or float16" in problems[0]
+    assert tr.backend_problems(dataclasses.replace(m, attention_impl="cudnn", compute_dtype="bfloat16")) == []

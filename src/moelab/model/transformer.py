@@ -88,12 +88,20 @@ def _cast(params: dict, dtype: jnp.dtype) -> dict:
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
 
+CUDNN_DTYPES = ("bfloat16", "float16")  # JAX's cuDNN attention takes only these
+
+
 def backend_problems(m: ModelConfig) -> list[str]:
     """What this machine's JAX backend cannot run of ``m``, one line each (checked before a run starts)."""
     if m.attention_impl == "cudnn" and jax.default_backend() != "gpu":
         return [
             f"model.attention_impl: cudnn needs an NVIDIA GPU and JAX runs on {jax.default_backend()}; "
             f"use auto (cudnn on a GPU, blocked here), blocked or xla"
+        ]
+    if m.attention_impl == "cudnn" and m.compute_dtype not in CUDNN_DTYPES:
+        return [
+            f"model.attention_impl: cudnn takes bfloat16 or float16 and model.compute_dtype is {m.compute_dtype}; "
+            "set model.compute_dtype=bfloat16, or use auto (flash or blocked in float32)"
         ]
     return []
 
@@ -102,11 +110,12 @@ FLASH_MIN_SEQ = 2048  # auto: the flash path from this length off GPU (measured:
 
 
 def attention_impl(m: ModelConfig, seq: int) -> str:
-    """``model.attention_impl``, with ``auto`` resolved: the fused cuDNN kernel on NVIDIA GPUs, else
-    moelab's blocked path for short sequences and its flash path (no [s, s] buffer) for long ones."""
+    """``model.attention_impl``, with ``auto`` resolved: the fused cuDNN kernel on NVIDIA GPUs when the
+    compute dtype is one it takes (bfloat16, float16), else moelab's blocked path for short sequences
+    and its flash path (no [s, s] buffer) for long ones (float32 on a GPU included: cuDNN refuses it)."""
     if m.attention_impl != "auto":
         return m.attention_impl
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and m.compute_dtype in CUDNN_DTYPES:
         return "cudnn"
     return "flash" if seq >= FLASH_MIN_SEQ else "blocked"
 
