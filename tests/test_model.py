@@ -496,3 +496,22 @@ def test_auto_attention_on_a_gpu_picks_cudnn_only_for_the_dtypes_it_takes(monkey
     problems = tr.backend_problems(dataclasses.replace(m, attention_impl="cudnn", compute_dtype="float32"))
     assert len(problems) == 1 and "cudnn takes bfloat16 or float16" in problems[0]
     assert tr.backend_problems(dataclasses.replace(m, attention_impl="cudnn", compute_dtype="bfloat16")) == []
+
+
+def test_mfu_on_a_gpu_uses_the_peak_of_the_precision_that_runs(monkeypatch):
+    """float32 matmuls run as TF32 on NVIDIA tensor cores under JAX's default precision: MFU must be
+    against the TF32 peak there (against the float32 peak it could pass 100%), and the float32 peak
+    only with model.matmul_precision=highest."""
+    import types
+
+    from moelab.train import loop
+
+    monkeypatch.setattr(loop.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(loop.jax, "devices", lambda: [types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
+    fp32 = load_config("tiny")
+    assert loop.matmul_dtype(fp32) == "tensorfloat32"
+    assert loop.device_peak(fp32) == (494.5e12, "published tensorfloat32 peak of H100")
+    highest = load_config("tiny", ["model.matmul_precision=highest"])
+    assert loop.device_peak(highest) == (67e12, "published float32 peak of H100")
+    assert loop.device_peak(load_config("tiny", ["model.compute_dtype=bfloat16"]))[0] == 989e12
+    assert loop.matmul_dtype(fp32, backend="cpu") == "float32"

@@ -32,6 +32,7 @@ ATTENTION_IMPLS = ("auto", "blocked", "flash", "xla", "cudnn")
 SCAN_LAYERS = ("auto", "scan", "unrolled")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("float32", "bfloat16")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 REMATS = ("none", "layer")
 
 BYTE_LEVEL_BASE = 257  # a byte-level BPE's first tokens: 256 bytes and end-of-text
@@ -88,6 +89,10 @@ class ModelConfig:
     # numerics
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
+    # float32 matmuls: default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 passes on
+    # TPU), highest keeps true float32; set explicitly at the start of a run, and MFU uses the peak of
+    # the precision that runs (moelab.train.loop.device_peak)
+    matmul_precision: str = "default"
     # memory for large models
     remat: str = "none"  # "layer": keep only each layer's input, recompute the layer in the backward pass
     # layers as a lax.scan over whole local/global periods: compile time that does not grow with depth.
@@ -189,6 +194,7 @@ class ModelConfig:
             ("scan_layers", SCAN_LAYERS),
             ("drop_order", DROP_ORDERS),
             ("compute_dtype", DTYPES),
+            ("matmul_precision", MATMUL_PRECISIONS),
             ("remat", REMATS),
             ("eval_dispatch", ("",) + DISPATCHES),
         ):
@@ -667,6 +673,7 @@ HASH_NEUTRAL = {
     ("train", "tracker_project"): "",
     ("train", "tracker_entity"): "",
     ("train", "tracker_mode"): "",
+    ("model", "matmul_precision"): "default",  # what JAX did before the field existed
     ("data", "validation"): [],  # evaluated, never trained on: what a run computes otherwise is unchanged
     ("data", "bad_records"): "refuse",
     ("data", "workers"): 0,  # the token store's bytes are the same whatever the workers

@@ -2,7 +2,9 @@
 
 Memory in GB (1e9 bytes) as sold; peaks in FLOP/s, dense (no sparsity), from the vendors' data
 sheets: H100 and H200 SXM (989 TFLOP/s bf16, 67 fp32), GB200 per Blackwell GPU (NVL72's 180
-PFLOP/s bf16 and 5,760 TFLOP/s fp32 over 72 GPUs), TPU v5p (459 bf16) and v6e (918 bf16). TPUs
+PFLOP/s bf16 and 5,760 TFLOP/s fp32 over 72 GPUs), TF32 (what a float32 matmul runs as on their tensor
+cores under JAX's default precision: half the data sheets' with-sparsity figures, 989 and 180 PFLOP/s
+over 72), TPU v5p (459 bf16) and v6e (918 bf16). TPUs
 publish no fp32 matmul peak: MFU in fp32 there needs ``train.peak_flops``. On a CPU the peak is
 measured (``train.record.cached_matmul_peak``).
 """
@@ -23,9 +25,9 @@ class Device:
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100", 80, {"bfloat16": 989e12, "float32": 67e12}, ("h100",)),
-        Device("H200", 141, {"bfloat16": 989e12, "float32": 67e12}, ("h200",)),
-        Device("GB200", 192, {"bfloat16": 2.5e15, "float32": 80e12}, ("gb200", "b200")),
+        Device("H100", 80, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h100",)),
+        Device("H200", 141, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h200",)),
+        Device("GB200", 192, {"bfloat16": 2.5e15, "tensorfloat32": 1.25e15, "float32": 80e12}, ("gb200", "b200")),
         Device("TPU v5p", 95, {"bfloat16": 459e12}, ("tpu v5p", "tpu v5")),
         Device("TPU v6e", 32, {"bfloat16": 918e12}, ("tpu v6e", "tpu v6 lite", "tpu v6")),
     )

@@ -314,6 +314,7 @@ class _Job:
         self.step_fn = make_train_step(cfg, self.opt, self.h, shardings)
         self.evaluator = Evaluator(cfg, store, mesh=self.mesh)  # runs under the mesh, as the model trains
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
+        set_matmul_precision(cfg)
         self.peak, self.peak_source = device_peak(cfg, self.progress)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
         self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
@@ -513,13 +514,30 @@ class _Job:
             self.save(done)
 
 
+def matmul_dtype(cfg: Config, backend: str | None = None) -> str:
+    """The precision the matmuls run in: the compute dtype, except float32 on an NVIDIA GPU under
+    model.matmul_precision default or high, which runs as TF32 on the tensor cores (so MFU against
+    the float32 peak could pass 100%)."""
+    m = cfg.model
+    backend = backend or jax.default_backend()
+    if m.compute_dtype == "float32" and backend == "gpu" and m.matmul_precision != "highest":
+        return "tensorfloat32"
+    return m.compute_dtype
+
+
+def set_matmul_precision(cfg: Config) -> None:
+    """model.matmul_precision, set explicitly for the run (JAX's own default otherwise depends on the backend)."""
+    p = cfg.model.matmul_precision
+    jax.config.update("jax_default_matmul_precision", None if p == "default" else p)
+
+
 def device_peak(cfg: Config, progress: bool = False) -> tuple[float | None, str]:
     """One device's peak FLOP/s in the compute dtype, for MFU, and where it comes from:
     ``train.peak_flops``, the published table (moelab/devices.py) for a known accelerator, or the
     measured matmul rate on a CPU. None (MFU not reported) for an accelerator not in the table."""
     from moelab import devices
 
-    dtype = cfg.model.compute_dtype
+    dtype = matmul_dtype(cfg)
     if cfg.train.peak_flops:
         return float(cfg.train.peak_flops), "train.peak_flops"
     kind = jax.devices()[0].device_kind
