@@ -203,6 +203,8 @@ def _classify(path: str, name: str, head: bytes | None = None) -> tuple[str, str
     codec = CODECS.get(ext, "")
     if codec:
         lower, ext = stem, os.path.splitext(stem)[1]
+    if ext in RECORD_SUFFIXES and (codec or _is_url(path)):  # named for what it is: no request for its first bytes
+        return RECORD_SUFFIXES[ext], codec
     head = _head(path) if head is None else head
     if not codec:
         codec = next((c for magic, c in MAGIC if head.startswith(magic)), "")
@@ -228,9 +230,12 @@ def _object_line(path: str) -> bool:
         return False
 
 
+_INFO: dict[str, dict] = {}  # remote files' details from the listings that found them
+
+
 def _stat(path: str) -> tuple[int, str]:
     if _is_url(path):
-        info = _fs(path).info(path)
+        info = _INFO.get(path) or _fs(path).info(path)
         stamp = (
             info.get("ETag")
             or info.get("etag")
@@ -262,7 +267,10 @@ def _walk(root: str) -> list[str]:
     """Every file under a folder, sorted, as paths relative to it."""
     if _is_url(root):
         base = _bare(root).rstrip("/")
-        return sorted(_bare(p)[len(base) :].lstrip("/") for p in _fs(root).find(root) if _bare(p).startswith(base))
+        proto = root.split("://", 1)[0] + "://"
+        found = _fs(root).find(root, detail=True)  # one listing, sizes and stamps included
+        _INFO.update({proto + _bare(p): info for p, info in found.items()})
+        return sorted(_bare(p)[len(base) :].lstrip("/") for p in found if _bare(p).startswith(base))
     out = []
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -366,7 +374,9 @@ def _expand(entry: str, spec: str, include, exclude) -> tuple[list[Shard], list[
         base = _glob_base(entry)
         if _is_url(entry):
             proto = entry.split("://", 1)[0] + "://"
-            found = sorted(proto + _bare(p) for p in _fs(entry).glob(entry) if not _fs(entry).isdir(p))
+            listing = _fs(entry).glob(entry, detail=True)  # one listing, sizes and stamps included
+            _INFO.update({proto + _bare(p): info for p, info in listing.items()})
+            found = sorted(proto + _bare(p) for p, info in listing.items() if info.get("type") != "directory")
         else:
             found = sorted(globlib.glob(entry, recursive=True))
         shards, left = [], []
@@ -451,6 +461,7 @@ def resolve(
     a folder with nothing to read: one line each). Domain names are unique."""
     if isinstance(sources, str):
         sources = (sources,)
+    _INFO.clear()  # remote details are as fresh as this resolve's listings
     domains: dict[str, dict] = {}
     order: list[str] = []
 
