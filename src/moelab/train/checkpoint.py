@@ -1,8 +1,12 @@
-"""Checkpoints: Orbax writes the arrays; moelab makes the save atomic and keeps last K + every M.
+"""Checkpoints: Orbax writes the arrays; moelab makes the save atomic and durable and keeps last K + every M.
 
 A checkpoint is ``ckpt/step_XXXXXXXX`` holding ``state/`` (Orbax) and ``meta.json``. It is
-written as ``step_XXXXXXXX.partial`` and renamed when complete, so a crash during a save leaves
-only a ``.partial`` folder, which is never loaded and is cleared by the next save.
+written as ``step_XXXXXXXX.partial``, its files and folders synced to disk, and renamed when
+complete (the parent folder synced after), so a crash during a save leaves only a ``.partial``
+folder, which is never loaded and is cleared by the next save. A checkpoint saved again at the
+same step replaces the old one by two renames (the old one set aside as ``.replaced`` first, then
+removed), so there is no moment without a complete checkpoint. A resume that finds the newest
+checkpoint damaged says so and falls back to the newest one that restores (``restore_newest``).
 """
 
 from __future__ import annotations
@@ -15,18 +19,38 @@ from pathlib import Path
 
 import jax
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"^step_(\d{8})(\.replaced)?$")
 
 
 def _dirs(root: Path) -> list[tuple[int, Path]]:
     if not root.exists():
         return []
-    out = []
-    for p in root.iterdir():
+    found: dict[int, Path] = {}
+    for p in sorted(root.iterdir(), key=lambda p: p.name):  # step_N before step_N.replaced
         m = STEP_DIR.match(p.name)
         if m and (p / "meta.json").exists() and (p / "state").exists():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+            found.setdefault(int(m.group(1)), p)
+    return sorted(found.items())
+
+
+def _fsync_tree(path: Path) -> None:
+    """Every file and folder under ``path`` (and ``path``) synced to disk."""
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def steps(root: Path) -> list[int]:
@@ -55,9 +79,14 @@ def save(
         fault_hook("in_save", step)  # tests kill the process here: arrays written, not yet complete
     if primary:
         (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        _fsync_tree(partial)  # durable before it is named complete
+        old = root / f"step_{step:08d}.replaced"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)  # still found (as .replaced) until the new one is in place
         os.rename(partial, final)
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last, keep_every, keep_steps)
     _sync(f"ckpt-done-{step}")
     return final
@@ -80,10 +109,23 @@ def _prune(root: Path, keep_last: int, keep_every: int, keep_steps=()) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def restore_newest(root: Path, abstract_state, damaged=None) -> tuple[object, dict, int] | None:
+    """The newest checkpoint that restores: (state, meta, step), or None when there is none. A damaged
+    one (cut short, a file missing or unreadable) is skipped; ``damaged(step, reason)`` hears of each."""
+    for step in reversed(steps(root)):
+        try:
+            state, meta = restore(root, step, abstract_state)
+            return state, meta, step
+        except Exception as exc:  # Orbax and the file system raise many kinds; any means it cannot be used
+            if damaged is not None:
+                damaged(step, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    return None
+
+
 def restore(root: Path, step: int, abstract_state) -> tuple[object, dict]:
     import orbax.checkpoint as ocp
 
-    path = root / f"step_{step:08d}"
+    path = dict(_dirs(root)).get(step, root / f"step_{step:08d}")
     meta = json.loads((path / "meta.json").read_text())
     # restored onto the template's devices and shardings: a checkpoint saved under one mesh loads under another
     abstract = jax.tree.map(

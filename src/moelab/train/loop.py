@@ -278,13 +278,24 @@ class _Job:
         # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
         self.guard = {"consecutive": 0, "restored": False}
         saved = checkpoint.steps(run.ckpt)
-        if resume and saved:
-            self.state, meta = checkpoint.restore(run.ckpt, saved[-1], self.state)
+
+        def damaged(step: int, reason: str) -> None:
+            say(f"{run.ckpt}/step_{step:08d}: the checkpoint is damaged ({reason}); falling back to an older one", True)
+            run.event("checkpoint_damaged", step=step, reason=reason)
+            where = run.ckpt / f"step_{step:08d}"
+            if where.exists() and jax.process_index() == 0:  # kept for a look, never loaded again
+                where.rename(where.with_name(where.name + ".damaged"))
+
+        found = checkpoint.restore_newest(run.ckpt, self.state, damaged) if resume and saved else None
+        if resume and saved and found is None:
+            raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores; the run cannot resume")
+        if found is not None:
+            self.state, meta, step = found
             self.start, self.skip = meta["step"], set(meta["skip_steps"])
             self.guard.update(meta.get("nan_guard", {}))
             run.truncate_metrics(meta["metrics_cursor"])
             self.cursor_ok = True
-            run.event("resume", step=self.start, checkpoint=saved[-1])
+            run.event("resume", step=self.start, checkpoint=step)
         elif resume and run.metrics.exists():
             run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
             run.event("resume", step=0, checkpoint=None)
