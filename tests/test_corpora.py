@@ -370,6 +370,9 @@ def test_token_ids_are_read_as_documents(tmp_path, tokfile):
                           cache=tmp_path / "c", progress=False)  # fmt: skip
         assert _bytes(got) == _bytes(ref), name
         assert np.array_equal(got.documents()["bytes"], ref.documents()["bytes"])  # bytes per byte-level token
+    no_tok = load_config("tiny", [f"data.sources=[{tmp_path / 'pre.npy'}]"]).data
+    with pytest.raises(S.DataError, match=r"pre.npy: token ids are read with the tokenizer that made them"):
+        build_store(no_tok, VOCAB, cache=tmp_path / "c", progress=False)
 
 
 def test_a_pretrained_tokenizer_keeps_its_own_bos_and_eos(tmp_path):
