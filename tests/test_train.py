@@ -183,21 +183,24 @@ def test_kill_during_checkpoint_save_is_ignored_on_resume(corpus, reference_run,
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, reference_run, tmp_path):
+    import shutil
+
     out = tmp_path / "run"
-    res = _train_cli(corpus, out, env={"MOELAB_TEST_FAULTS": "kill@25"})
-    assert res.returncode == -9 and checkpoint.steps(out / "ckpt") == [10, 20]
-    files = sorted((p for p in (out / "ckpt" / "step_00000020" / "state").rglob("*") if p.is_file()),
+    shutil.copytree(reference_run, out)  # a finished run, made unfinished: its summary gone
+    (out / "summary.json").unlink()
+    newest = checkpoint.steps(out / "ckpt")[-1]
+    files = sorted((p for p in (out / "ckpt" / f"step_{newest:08d}" / "state").rglob("*") if p.is_file()),
                    key=lambda p: p.stat().st_size)  # fmt: skip
     files[-1].write_bytes(files[-1].read_bytes()[: files[-1].stat().st_size // 2])  # the largest, cut short
     res = _train_cli(corpus, out, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     said = [line for line in res.stderr.splitlines() if line.startswith("moelab:") and "is damaged" in line]
-    assert len(said) == 1 and "step_00000020: the checkpoint is damaged" in said[0]
+    assert len(said) == 1 and f"step_{newest:08d}: the checkpoint is damaged" in said[0]
     events = read_jsonl(out / "events.jsonl")
-    assert [e["step"] for e in events if e["event"] == "checkpoint_damaged"] == [20]
-    assert next(e for e in events if e["event"] == "resume")["checkpoint"] == 10
-    assert (out / "ckpt" / "step_00000020.damaged").exists()
-    assert _trajectory(out) == _trajectory(reference_run)  # from step 10 again, to the same numbers
+    assert [e["step"] for e in events if e["event"] == "checkpoint_damaged"] == [newest]
+    previous = [e for e in events if e["event"] == "resume"][-1]["checkpoint"]
+    assert previous < newest and (out / "ckpt" / f"step_{newest:08d}.damaged").exists()
+    assert _trajectory(out) == _trajectory(reference_run)  # from the previous one again, to the same numbers
 
 
 def test_supervisor_restarts_a_killed_run(corpus, reference_run, tmp_path):

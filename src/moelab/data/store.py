@@ -646,7 +646,9 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
     domains, vdomains = resolve_all(cfg)
     ids = next((sh for d in domains + vdomains for sh in d.shards if sh.fmt == "tokens"), None)
     if ids is not None and not cfg.tokenizer and tokenizer_dir is None:
-        raise S.DataError(f"{ids.path}: token ids are read with the tokenizer that made them; name it in data.tokenizer")
+        raise S.DataError(
+            f"{ids.path}: token ids are read with the tokenizer that made them; name it in data.tokenizer"
+        )
     if tokenizer_dir is not None:
         tok_fp = "store:" + hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
     elif cfg.tokenizer:
