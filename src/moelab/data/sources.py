@@ -750,6 +750,23 @@ def _text_column(col, shard: Shard, f: str):
     return col
 
 
+def _batch_rows(domain: Domain, shard: Shard, bad: Bad, batches, index: int) -> Iterator[Document]:
+    """The documents of a stream of record batches (Parquet's row groups, Arrow's batches), column
+    ``index`` the text; a batch that cannot be read ends the shard through ``bad``."""
+    import pyarrow as pa
+
+    row = 0
+    try:
+        for batch in batches:
+            for text in _text_column(batch.column(index), shard, domain.text_field).to_pylist():
+                if text is not None:
+                    yield Document(domain.name, f"{shard.rel}#{row}", text, row)
+                row += 1
+    except (pa.ArrowInvalid, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        bad.record(shard, f"{shard.path}#row {row}", f"cannot be read ({msg}); is it truncated?")
+
+
 def _read_parquet(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -> Iterator[Document]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -773,17 +790,7 @@ def _read_parquet(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -
                 pf.metadata.num_rows,
             )
             return
-        row = 0
-        try:
-            for batch in pf.iter_batches(batch_size=2048, columns=[f]):
-                col = _text_column(batch.column(0), shard, f)
-                for text in col.to_pylist():
-                    if text is not None:
-                        yield Document(domain.name, f"{shard.rel}#{row}", text, row)
-                    row += 1
-        except (pa.ArrowInvalid, OSError) as exc:
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            bad.record(shard, f"{shard.path}#row {row}", f"cannot be read ({msg}); is it truncated?")
+        yield from _batch_rows(domain, shard, bad, pf.iter_batches(batch_size=2048, columns=[f]), 0)
     finally:
         if local and local != shard.path:
             os.unlink(local)
@@ -814,18 +821,7 @@ def _read_arrow(domain: Domain, shard: Shard, bad: Bad, tmp_dir: str | None) -> 
                 shard, shard.path, f"no column {f!r} (columns: {', '.join(schema.names[:8])}; set data.text_field)"
             )
             return
-        index = schema.get_field_index(f)
-        row = 0
-        try:
-            for batch in batches:
-                col = _text_column(batch.column(index), shard, f)
-                for text in col.to_pylist():
-                    if text is not None:
-                        yield Document(domain.name, f"{shard.rel}#{row}", text, row)
-                    row += 1
-        except (pa.ArrowInvalid, OSError) as exc:
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            bad.record(shard, f"{shard.path}#row {row}", f"cannot be read ({msg}); is it truncated?")
+        yield from _batch_rows(domain, shard, bad, batches, schema.get_field_index(f))
     finally:
         if local and local != shard.path:
             os.unlink(local)
