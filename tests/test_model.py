@@ -508,10 +508,37 @@ def test_mfu_on_a_gpu_uses_the_peak_of_the_precision_that_runs(monkeypatch):
 
     monkeypatch.setattr(loop.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(loop.jax, "devices", lambda: [types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")])
-    fp32 = load_config("tiny")
+    fp32 = load_config("tiny", ["model.compute_dtype=float32"])
     assert loop.matmul_dtype(fp32) == "tensorfloat32"
     assert loop.device_peak(fp32) == (494.5e12, "published tensorfloat32 peak of H100")
-    highest = load_config("tiny", ["model.matmul_precision=highest"])
+    highest = load_config("tiny", ["model.matmul_precision=highest", "model.compute_dtype=float32"])
     assert loop.device_peak(highest) == (67e12, "published float32 peak of H100")
     assert loop.device_peak(load_config("tiny", ["model.compute_dtype=bfloat16"]))[0] == 989e12
     assert loop.matmul_dtype(fp32, backend="cpu") == "float32"
+
+
+def test_compute_dtype_auto_is_bf16_on_accelerators_and_fp32_on_cpu(monkeypatch):
+    """The default compute dtype: bfloat16 on GPU and TPU (parameters and optimizer state stay fp32),
+    float32 on CPU; a run records the dtype it resolved to, so a CPU run's hash is what it was before
+    the field had auto."""
+    import jax
+
+    from moelab.config import config_hash, resolve_dtype
+    from moelab.model.transformer import attention_impl
+    from moelab.train import optim
+    from moelab.train.step import init_train_state
+
+    cfg = load_config("tiny")
+    assert cfg.model.compute_dtype == "auto" and cfg.model.dtype == "float32"  # this machine: CPU
+    cpu = resolve_dtype(cfg)
+    assert cpu.model.compute_dtype == "float32"
+    assert config_hash(cpu) == config_hash(load_config("tiny", ["model.compute_dtype=float32"]))
+    for backend in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert cfg.model.dtype == "bfloat16" and resolve_dtype(cfg).model.compute_dtype == "bfloat16"
+    assert attention_impl(cfg.model, 4096) == "flash"  # tpu: moelab's flash path, not cudnn
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention_impl(cfg.model, 4096) == "cudnn"  # bf16 by default: the fused kernel works
+    opt = optim.make_optimizer(cfg, optim.hyper(cfg))
+    state = jax.eval_shape(lambda: init_train_state(resolve_dtype(cfg), opt))
+    assert {leaf.dtype for leaf in jax.tree.leaves(state)} <= {jnp.dtype("float32"), jnp.dtype("int32")}

@@ -132,8 +132,8 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     from moelab import devices
 
     kind = jax.devices()[0].device_kind
-    published = None if jax.default_backend() == "cpu" else devices.peak_flops(kind, cfg.model.compute_dtype)
-    peak = published or matmul_peak(dtype=cfg.model.compute_dtype)  # an accelerator's published peak, else measured
+    published = None if jax.default_backend() == "cpu" else devices.peak_flops(kind, cfg.model.dtype)
+    peak = published or matmul_peak(dtype=cfg.model.dtype)  # an accelerator's published peak, else measured
     count = accounting.count(cfg)
     flops_per_token = 3 * count.forward_flops_per_token
     tps = b * s / med
@@ -171,7 +171,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
         "matmul_peak_flops_per_s": peak,
         "peak_source": "published" if published else "measured",
         "device_kind": kind,
-        "compute_dtype": cfg.model.compute_dtype,
+        "compute_dtype": cfg.model.dtype,
         "mfu": tps * flops_per_token / peak,
         "final_loss": float(metrics["loss"]),
         "backend": jax.default_backend(),
@@ -187,7 +187,7 @@ def _shape_of(cfg) -> dict:
         "experts": m.n_routed, "top_k": m.top_k, "expert_dim": m.expert_dim, "shared": m.n_shared,
         "shared_dim": m.shared_dim, "latent_dim": m.latent_dim, "seq": m.seq_len, "batch": t.batch_size,
         "vocab": m.vocab_size, "dispatch": m.dispatch, "capacity_factor": m.capacity_factor,
-        "dtype": m.compute_dtype, "remat": m.remat, "ce_chunk": m.ce_chunk,
+        "dtype": m.dtype, "remat": m.remat, "ce_chunk": m.ce_chunk,
     }  # fmt: skip
 
 

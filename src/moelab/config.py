@@ -31,7 +31,8 @@ MOE_IMPLS = ("auto", "ragged", "blocks", "loop")
 ATTENTION_IMPLS = ("auto", "blocked", "flash", "xla", "cudnn")
 SCAN_LAYERS = ("auto", "scan", "unrolled")
 DROP_ORDERS = ("position", "score")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+OFFLOADS = ("none", "optimizer", "layer_inputs", "all")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 REMATS = ("none", "layer")
 
@@ -88,7 +89,9 @@ class ModelConfig:
     ep_waves: int = 3  # pooled_wave: waves per exchange
     # numerics
     norm_eps: float = 1e-6
-    compute_dtype: str = "float32"
+    # auto: bfloat16 on GPU and TPU (fp32 parameters and optimizer state, as Marin runs), float32 on CPU
+    # (XLA:CPU computes bf16 through fp32 and slower); resolved when a run starts (``resolve_dtype``)
+    compute_dtype: str = "auto"
     # float32 matmuls: default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 passes on
     # TPU), highest keeps true float32; set explicitly at the start of a run, and MFU uses the peak of
     # the precision that runs (moelab.train.loop.device_peak)
@@ -99,6 +102,11 @@ class ModelConfig:
     # auto: on an accelerator, or from SCAN_MIN_LAYERS layers (shallow CPU models step faster unrolled)
     scan_layers: str = "auto"
     ce_chunk: int = 0  # tokens per chunk of the LM head's cross-entropy (logits never whole); 0 = one chunk
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype that runs here: ``compute_dtype``, with auto resolved for this backend."""
+        return auto_dtype(None) if self.compute_dtype == "auto" else self.compute_dtype
 
     @property
     def head_size(self) -> int:
@@ -308,6 +316,18 @@ class TrainConfig:
     tracker_project: str = ""
     tracker_entity: str = ""
     tracker_mode: str = ""
+    # gradient accumulation: sequences per micro-step (over all devices); 0 = the whole batch in one
+    # step. The step runs batch_size / micro_batch micro-steps and one update; metrics, drops, router
+    # balancing and z-losses are the whole batch's (moelab.train.step)
+    micro_batch: int = 0
+    # host offload (memory kind pinned_host): optimizer = AdamW/Muon state kept in host memory and moved
+    # in for the update; layer_inputs = with model.remat: layer, each rematerialised block's input saved
+    # to host memory; all = both (Marin's strategy on GB200)
+    offload: str = "none"
+    # checkpoints: saved in the background while training goes on (false: the step waits for each save)
+    async_checkpoint: bool = True
+    # where checkpoints go: "" = the run's ckpt/ folder; else any path Orbax's file layer takes (gs://...)
+    checkpoint_dir: str = ""
 
     def check(self) -> list[str]:
         """Problems with the training fields: one line each."""
@@ -360,6 +380,15 @@ class TrainConfig:
             e.append(
                 f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
             )
+        if t.micro_batch < 0:
+            e.append(f"train.micro_batch: must be >= 0 (0 = the whole batch), got {t.micro_batch}")
+        elif t.micro_batch and t.batch_size > 0 and t.batch_size % t.micro_batch:
+            e.append(
+                f"train.micro_batch: {t.micro_batch} does not divide train.batch_size={t.batch_size}; "
+                "use a divisor (or 0 for the whole batch)"
+            )
+        if t.offload not in OFFLOADS:
+            e.append(f"train.offload: must be one of {', '.join(map(repr, OFFLOADS))}, got {t.offload!r}")
         if t.muon_lr_ratio <= 0:
             e.append(f"train.muon_lr_ratio: must be > 0, got {t.muon_lr_ratio}")
         for n in ("beta1", "beta2"):
@@ -499,6 +528,17 @@ class Config:
             e.append(
                 f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
                 f"{shards} devices; use a multiple of {shards}"
+            )
+        mb = cfg.train.micro_batch
+        if mesh_ok and mb > 0 and cfg.train.batch_size % max(mb, 1) == 0 and mb % shards:
+            e.append(
+                f"train.micro_batch: {mb} sequences do not split over mesh.data x mesh.expert = {shards} devices; "
+                f"use a multiple of {shards}"
+            )
+        if group > 0 and mb > 0 and (mb * cfg.model.seq_len) % group:
+            e.append(
+                f"model.capacity_group: {group} does not divide a micro-batch's {mb * cfg.model.seq_len} tokens "
+                f"(train.micro_batch x model.seq_len); capacity groups are formed within a micro-batch"
             )
         if cfg.mesh.expert > 0 and cfg.model.n_routed > 0 and cfg.model.n_routed % cfg.mesh.expert:
             e.append(f"mesh.expert: {cfg.mesh.expert} does not divide model.n_routed={cfg.model.n_routed}")
@@ -678,7 +718,29 @@ HASH_NEUTRAL = {
     ("data", "bad_records"): "refuse",
     ("data", "workers"): 0,  # the token store's bytes are the same whatever the workers
     ("data", "backend"): "local",
+    ("train", "micro_batch"): 0,
+    ("train", "offload"): "none",  # where the state lives changes no number (tested equal)
+    ("train", "async_checkpoint"): True,
+    ("train", "checkpoint_dir"): "",
 }  # spill_choices changes what spill does: it is hashed
+
+
+def auto_dtype(backend: str | None) -> str:
+    """``compute_dtype: auto`` on a backend (None = this process's JAX backend): bfloat16 on GPU and
+    TPU, float32 on CPU."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return "float32" if backend == "cpu" else "bfloat16"
+
+
+def resolve_dtype(cfg: Config, backend: str | None = None) -> Config:
+    """``cfg`` with ``compute_dtype: auto`` replaced by what runs on ``backend`` (None = here): a run
+    records, hashes and checkpoints the dtype it computed in."""
+    if cfg.model.compute_dtype != "auto":
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=auto_dtype(backend)))
 
 
 def config_hash(cfg: Config) -> str:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from moelab.cli.common import add_config_args, positive_int, print_summary
-from moelab.config import load_config
+from moelab.config import load_config, resolve_dtype
 from moelab.errors import UsageError
 
 
@@ -175,7 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not (job or args.max_restarts):  # (a job's processes after joining; a supervisor's child checks for itself)
         from moelab.train.memory import fit_check
 
-        fit_check(cfg)  # a run that cannot fit is refused before anything is written
+        fit_check(resolve_dtype(cfg))  # a run that cannot fit is refused before anything is written
     _make_out(args.out)
     _join_job(args)
     if args.max_restarts:

@@ -77,7 +77,7 @@ def _attend(p: dict, x: jax.Array, positions: jax.Array, cache: dict, m: ModelCo
 def forward_cached(params: dict, state: dict, tokens: jax.Array, start: jax.Array, cache: list[dict], m: ModelConfig):
     """tokens [b, n] at positions start..start+n-1, after what the cache holds -> (logits [b, n, vocab]
     in fp32, the updated cache). n is the prompt's length when prefilling, 1 when decoding."""
-    dtype = jnp.dtype(m.compute_dtype)
+    dtype = jnp.dtype(m.dtype)
     if dtype != jnp.float32:
         params = _cast(params, dtype)
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -154,7 +154,7 @@ class Generator:
                 f"--prompt: {len(prompt)} tokens, the model's context is {self.context}: shorten the prompt"
             )
         rng = np.random.default_rng(seed)
-        cache = init_cache(self.m, 1, self.context, jnp.dtype(self.m.compute_dtype))
+        cache = init_cache(self.m, 1, self.context, jnp.dtype(self.m.dtype))
         logits, cache = self._step(self.params, self.state, jnp.asarray([prompt], jnp.int32), jnp.int32(0), cache)
         out, kept = [], []
         pos = len(prompt)

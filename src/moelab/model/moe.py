@@ -469,5 +469,9 @@ def moe_block(
         bias_mean=jnp.mean(bias),
         bias_std=jnp.std(bias),
     )
+    if rt.whole_batch():  # a micro-step: the step updates the bias from the whole batch's statistics
+        metrics["bias_stat"] = jax.lax.stop_gradient(rt.bias_stat(r, bias, m))
+        metrics["aux_terms"] = jax.lax.stop_gradient(rt.aux_terms(r.log_scores, r.idx, m.n_routed))
+        return y.reshape(b, s, d), metrics, bias
     new_bias = jax.lax.stop_gradient(rt.next_bias(r, bias, m))
     return y.reshape(b, s, d), metrics, new_bias

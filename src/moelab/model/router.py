@@ -6,6 +6,7 @@ come from the unbiased scores. A new bias is computed from each batch and used o
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -92,15 +93,30 @@ def quantile_bias(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
     (1 - k/E) quantile of m[:, e] lets exactly a k/E fraction of tokens clear it. The result
     replaces the old bias, mean-centred (a shared shift changes no choice).
     """
+    if top_k >= logits.shape[-1]:
+        return jnp.zeros_like(bias)
+    return bias_from_margins(quantile_margins(logits, bias, top_k), top_k)
+
+
+def quantile_margins(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
+    """Each token's margin over the threshold of every expert [t, e] (see ``quantile_bias``)."""
     logits = logits.astype(jnp.float32)
     n_experts = logits.shape[-1]
     if top_k >= n_experts:
-        return jnp.zeros_like(bias)
+        return jnp.zeros_like(logits)
     adjusted = logits + bias[None, :]
     top, top_idx = pmesh.per_device(lambda a: jax.lax.top_k(a, top_k + 1), adjusted)
     chosen = jnp.any(top_idx[:, :top_k, None] == jnp.arange(n_experts)[None, None, :], axis=1)  # no scatter
     threshold = jnp.where(chosen, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k])
-    margins = logits - threshold
+    return logits - threshold
+
+
+def bias_from_margins(margins: jax.Array, top_k: int) -> jax.Array:
+    """The quantile bias from margins [t, e]: the tokens' order does not matter, so the margins of
+    several micro-batches concatenated give the whole batch's bias."""
+    n_experts = margins.shape[-1]
+    if top_k >= n_experts:
+        return jnp.zeros((n_experts,), jnp.float32)
     q = 1.0 - top_k / n_experts
     # on a mesh the tokens are split across devices: count instead of sorting them all in one place
     new = -(column_quantile(margins, q) if pmesh.shards() > 1 else jnp.quantile(margins, q, axis=0))
@@ -150,6 +166,52 @@ def sign_bias(idx: jax.Array, bias: jax.Array, rate: float) -> jax.Array:
     """DeepSeek-V3's update: raise the bias of under-loaded experts by rate, lower over-loaded ones."""
     load = expert_load(idx, bias.shape[0])
     return bias + rate * jnp.sign(jnp.mean(load) - load)
+
+
+_WHOLE_BATCH = False  # set while tracing a micro-step of gradient accumulation
+
+
+@contextlib.contextmanager
+def whole_batch_statistics():
+    """While tracing under this, MoE blocks leave their bias unchanged and report what the bias
+    update needs (``bias_stat``) and the aux loss's terms (``aux_terms``), so that a step of several
+    micro-batches computes both from the whole batch (moelab.train.step)."""
+    global _WHOLE_BATCH
+    before, _WHOLE_BATCH = _WHOLE_BATCH, True
+    try:
+        yield
+    finally:
+        _WHOLE_BATCH = before
+
+
+def whole_batch() -> bool:
+    return _WHOLE_BATCH
+
+
+def bias_stat(r: Routing, bias: jax.Array, m: ModelConfig) -> jax.Array:
+    """What the bias update reads of a batch, in a form micro-batches combine: the quantile update's
+    margins [t, e] (concatenated), the sign update's loads [e] (summed); nothing for none."""
+    if m.bias_update == "quantile":
+        return quantile_margins(r.logits, bias, m.top_k)
+    if m.bias_update == "sign":
+        return expert_load(r.idx, bias.shape[0])
+    return jnp.zeros((0,), jnp.float32)
+
+
+def bias_from_stat(stat: jax.Array, bias: jax.Array, m: ModelConfig) -> jax.Array:
+    """The new bias from a whole batch's combined ``bias_stat``."""
+    if m.bias_update == "quantile":
+        return bias_from_margins(stat, m.top_k)
+    if m.bias_update == "sign":
+        return bias + m.bias_rate * jnp.sign(jnp.mean(stat) - stat)
+    return bias
+
+
+def aux_terms(log_scores: jax.Array, idx: jax.Array, n_experts: int) -> jax.Array:
+    """The Switch aux loss's two batch means [2, e]: the share of assignments f and the mean
+    probability P (``switch_aux_loss`` = E * sum f * P); both average over equal micro-batches."""
+    probs = jax.nn.softmax(log_scores, axis=-1)
+    return jnp.stack([expert_load(idx, n_experts) / idx.size, jnp.mean(probs, axis=0)])
 
 
 def next_bias(r: Routing, bias: jax.Array, m: ModelConfig) -> jax.Array:

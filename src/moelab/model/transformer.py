@@ -98,9 +98,9 @@ def backend_problems(m: ModelConfig) -> list[str]:
             f"model.attention_impl: cudnn needs an NVIDIA GPU and JAX runs on {jax.default_backend()}; "
             f"use auto (cudnn on a GPU, blocked here), blocked or xla"
         ]
-    if m.attention_impl == "cudnn" and m.compute_dtype not in CUDNN_DTYPES:
+    if m.attention_impl == "cudnn" and m.dtype not in CUDNN_DTYPES:
         return [
-            f"model.attention_impl: cudnn takes bfloat16 or float16 and model.compute_dtype is {m.compute_dtype}; "
+            f"model.attention_impl: cudnn takes bfloat16 or float16 and model.compute_dtype is {m.dtype}; "
             "set model.compute_dtype=bfloat16, or use auto (flash or blocked in float32)"
         ]
     return []
@@ -115,7 +115,7 @@ def attention_impl(m: ModelConfig, seq: int) -> str:
     and its flash path (no [s, s] buffer) for long ones (float32 on a GPU included: cuDNN refuses it)."""
     if m.attention_impl != "auto":
         return m.attention_impl
-    if jax.default_backend() == "gpu" and m.compute_dtype in CUDNN_DTYPES:
+    if jax.default_backend() == "gpu" and m.dtype in CUDNN_DTYPES:
         return "cudnn"
     return "flash" if seq >= FLASH_MIN_SEQ else "blocked"
 
@@ -233,7 +233,7 @@ def forward(
     ``capture``: the metrics also hold each MoE block's input (``moe_input``, [layers, b, s, d]),
     for studies that replay the routing (benchmarks/drops_vs_context.py)."""
     dispatch = dispatch or m.dispatch
-    dtype = jnp.dtype(m.compute_dtype)
+    dtype = jnp.dtype(m.dtype)
     if dtype != jnp.float32:
         params = _cast(params, dtype)
     x = pmesh.gathered({"embed": params["embed"]})["embed"][tokens]
@@ -284,6 +284,19 @@ def ce_terms(params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0
     return lse.reshape(-1)[:n].reshape(b, s), tgt.reshape(-1)[:n].reshape(b, s)
 
 
+def total_loss(ce, logit_z, aux, router_z, m: ModelConfig, logit_z_scale=1.0):
+    """Cross-entropy plus each z and aux term times its coefficient (router terms averaged over
+    layers). A term whose coefficient is zero is left out, not multiplied by 0 (0 * NaN is NaN)."""
+    loss = ce
+    if m.logit_z_loss:
+        loss = loss + logit_z_scale * m.logit_z_loss * logit_z
+    if m.aux_loss_coef:
+        loss = loss + m.aux_loss_coef * aux
+    if m.router_z_loss_coef:
+        loss = loss + m.router_z_loss_coef * router_z
+    return loss
+
+
 def loss_fn(
     params: dict,
     state: dict,
@@ -309,13 +322,6 @@ def loss_fn(
     logit_z = jnp.sum(lse**2 * weight) / denom
     aux = jnp.mean(layers["aux_loss"])
     router_z = jnp.mean(layers["router_z"])
-    # a term whose coefficient is zero is left out of the loss, not multiplied by 0 (0 * NaN is NaN)
-    loss = ce
-    if m.logit_z_loss:
-        loss = loss + logit_z_scale * m.logit_z_loss * logit_z
-    if m.aux_loss_coef:
-        loss = loss + m.aux_loss_coef * aux
-    if m.router_z_loss_coef:
-        loss = loss + m.router_z_loss_coef * router_z
+    loss = total_loss(ce, logit_z, aux, router_z, m, logit_z_scale)
     metrics = {"loss": loss, "ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
     return loss, (metrics, new_state)

@@ -121,7 +121,7 @@ def _layer_inputs(m, b: int):
 
     from moelab.model.transformer import FP32_PARAMS, param_shapes
 
-    dt = jnp.dtype(m.compute_dtype)
+    dt = jnp.dtype(m.dtype)
     shapes = param_shapes(m)["layers"]
     p = {k: jax.ShapeDtypeStruct(v[1:], jnp.float32 if k in FP32_PARAMS else dt) for k, v in shapes.items()}
     x = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
@@ -172,7 +172,7 @@ def _head_residuals(cfg: Config, b: int) -> int:
     from moelab.model.transformer import ce_terms
 
     m = cfg.model
-    dt = jnp.dtype(m.compute_dtype)
+    dt = jnp.dtype(m.dtype)
     hidden = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
     head = jax.ShapeDtypeStruct((m.d_model, m.vocab_size), dt)
     targets = jnp.zeros((b, m.seq_len), jnp.int32)
@@ -211,7 +211,7 @@ def _layer_weight_bytes(cfg: Config, sizes: dict[str, int]) -> tuple[int, int]:
     compute = fp32 = 0
     for name, shape in param_shapes(m)["layers"].items():  # placed for compute: experts over `expert` only
         n = math.prod(shape[1:]) // pmesh.shards_of(pmesh.axes_for(name, shape[1:], sizes, False), sizes)
-        compute += n * (4 if name in FP32_PARAMS else jnp.dtype(m.compute_dtype).itemsize)
+        compute += n * (4 if name in FP32_PARAMS else jnp.dtype(m.dtype).itemsize)
         fp32 += n * 4
     return compute, fp32
 
@@ -223,7 +223,7 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
     from moelab.parallel.ep import round_rows, slots_per_expert
 
     m = cfg.model
-    dt = jnp.dtype(m.compute_dtype).itemsize
+    dt = jnp.dtype(m.dtype).itemsize
     tokens = b * m.seq_len
     res = {kind: _layer_residuals(cfg, sizes["expert"], b, layers[0]) for kind, layers in _kinds(m).items()}
     n_dev = sizes["data"] * sizes["expert"]
@@ -349,7 +349,7 @@ def _gathered(cfg: Config, state, sizes: dict[str, int], fsdp: bool) -> int:
     import jax.numpy as jnp
 
     m = cfg.model
-    dt = jnp.dtype(m.compute_dtype).itemsize
+    dt = jnp.dtype(m.dtype).itemsize
     params = state["params"]
     copy = 0
     if dt != 4:  # the compute-dtype copy of the (sharded) parameters, made once per step

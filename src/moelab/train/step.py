@@ -2,6 +2,19 @@
 
 A step whose loss or gradients are not finite changes nothing: parameters, optimiser state and
 router biases stay as they were, and ``finite`` is False in its metrics.
+
+Gradient accumulation (``train.micro_batch``): the batch is cut into ``batch_size / micro_batch``
+micro-batches, each device keeping its own rows (micro-batch i takes the i-th slice of every
+device's rows, so nothing moves between devices); a ``lax.scan`` runs them one after another and
+sums their gradients, then one update follows. What the step reports is the whole batch's: the
+cross-entropy, z-losses, router entropy and drop shares are means over equal micro-batches; the
+expert loads are summed; the aux loss metric is E * sum f * P from the batch-wide f and P; the
+router bias is updated once, from the whole batch (the quantile update from every micro-batch's
+margins together, the sign update from the summed loads). Capacity groups are formed within a
+micro-batch (``capacity_group: 0`` is a device's tokens of the micro-batch), so where the groups
+are the same (dropless, or a group of one sequence) the step equals the whole batch's up to
+float rounding. The aux loss's gradient (when ``aux_loss_coef`` > 0) is each micro-batch's own, as
+Megatron computes it: its f is the micro-batch's.
 """
 
 from __future__ import annotations
@@ -12,7 +25,9 @@ import optax
 
 from moelab.config import Config
 from moelab.model import init_params, init_state, loss_fn
-from moelab.model.transformer import ce_terms, forward
+from moelab.model import router as rt
+from moelab.model.transformer import ce_terms, forward, total_loss
+from moelab.parallel import mesh as pmesh
 from moelab.train import optim
 
 
@@ -31,6 +46,37 @@ def _layer_summary(layers: dict) -> dict:
     return out
 
 
+def micro_batches(batch: jax.Array, n: int) -> jax.Array:
+    """[B, s] -> [n, B / n, s]: micro-batch i holds the i-th slice of each device's rows (the batch
+    is split over ``pmesh.shards()`` devices in contiguous blocks), so no row changes device."""
+    d = pmesh.shards()
+    rows, width = batch.shape
+    return batch.reshape(d, n, rows // (d * n), width).swapaxes(0, 1).reshape(n, rows // n, width)
+
+
+SUMMED = ("expert_load", "tokens_per_expert")  # per-layer metrics that add over micro-batches; the rest average
+
+
+def _whole_batch(per_micro: dict, bias: jax.Array, m) -> tuple[dict, jax.Array]:
+    """The layers' metrics of the whole batch and its new router bias, from the micro-steps' [n, L, ...]."""
+    layers = {}
+    for key, v in per_micro.items():
+        if key in ("bias_stat", "aux_terms"):
+            continue
+        layers[key] = jnp.sum(v, axis=0) if key in SUMMED else jnp.mean(v, axis=0)
+    load = layers["expert_load"]
+    layers["max_mean_load"] = jnp.max(load, axis=-1) / jnp.mean(load, axis=-1)
+    f, p = jnp.mean(per_micro["aux_terms"], axis=0).swapaxes(0, 1)  # [L, 2, E] -> f, P [L, E]
+    layers["aux_loss"] = m.n_routed * jnp.sum(f * p, axis=-1)
+    stat = per_micro["bias_stat"]  # [n, L, ...]
+    if m.bias_update == "quantile":  # every micro-batch's margins together: [L, n * t, E]
+        stat = stat.swapaxes(0, 1).reshape(stat.shape[1], -1, stat.shape[-1])
+    else:
+        stat = jnp.sum(stat, axis=0)
+    new_bias = jax.lax.map(lambda a: rt.bias_from_stat(a[0], a[1], m), (stat, bias))
+    return layers, new_bias
+
+
 def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper, shardings=None):
     """``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
     gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
@@ -38,19 +84,47 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
     m = cfg.model
     hold = (lambda tree, s: jax.lax.with_sharding_constraint(tree, s)) if shardings is not None else (lambda t, s: t)  # noqa: E731
 
+    n_micro = cfg.train.batch_size // cfg.train.micro_batch if cfg.train.micro_batch else 1
+    grad_shardings = shardings and shardings["params"]
+
+    def accumulate(state: dict, batch: jax.Array, logit_z_scale):
+        """The micro-steps: (loss, metrics, new model state, mean gradients) of the whole batch."""
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def micro(acc, mb):
+            with rt.whole_batch_statistics():
+                (_, (met, _)), g = grad_fn(
+                    state["params"], state["model_state"], mb[:, :-1], mb[:, 1:], m, logit_z_scale=logit_z_scale
+                )
+            acc = hold(jax.tree.map(jnp.add, acc, hold(g, grad_shardings)), grad_shardings)
+            return acc, {k: met[k] for k in ("ce", "logit_z", "router_z", "layers")}
+
+        zeros = hold(jax.tree.map(jnp.zeros_like, state["params"]), grad_shardings)
+        acc, per = jax.lax.scan(micro, zeros, micro_batches(batch, n_micro))
+        grads = jax.tree.map(lambda g: g / n_micro, acc)
+        layers, new_bias = _whole_batch(per["layers"], state["model_state"]["router_bias"], m)
+        ce, logit_z, router_z = (jnp.mean(per[k]) for k in ("ce", "logit_z", "router_z"))
+        aux = jnp.mean(layers["aux_loss"])
+        loss = total_loss(ce, logit_z, aux, router_z, m, logit_z_scale)
+        metrics = {"ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
+        return loss, metrics, {"router_bias": new_bias}, grads
+
     def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array, faults=None):
         """faults (fault injection): lr_scale, logit_z_scale, freeze_bias; None = none."""
         f = faults or {"lr_scale": 1.0, "logit_z_scale": 1.0, "freeze_bias": False}
         opt_state, _ = optim.set_lr(state["opt_state"], data_step, h, f["lr_scale"])
         lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (metrics, new_model_state)), grads = grad_fn(
-            state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m, logit_z_scale=f["logit_z_scale"]
-        )
+        if n_micro == 1:
+            (loss, (metrics, new_model_state)), grads = grad_fn(
+                state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m, logit_z_scale=f["logit_z_scale"]
+            )
+        else:
+            loss, metrics, new_model_state, grads = accumulate(state, batch, f["logit_z_scale"])
         new_model_state = jax.tree.map(
             lambda new, old: jnp.where(f["freeze_bias"], old, new), new_model_state, state["model_state"]
         )
-        grads = hold(grads, shardings and shardings["params"])
+        grads = hold(grads, grad_shardings)
         loss = jnp.where(poison, jnp.nan, loss)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
