@@ -120,7 +120,7 @@ def start_branch(parent_dir: str | Path, at: int, out: str | Path, cfg: Config) 
     if strangers:
         raise RunRefused(f"--out: {out} holds {strangers[0]}; a branch starts in a new or empty directory")
     src = parent.ckpt / f"step_{at:08d}"
-    meta = json.loads((src / "meta.json").read_text())
+    meta = checkpoint.read_meta(src)
     tmp = out / ".branching"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "ckpt").mkdir(parents=True)

@@ -226,8 +226,10 @@ def train(
     job.prepare_data()
     job.build_or_restore(resume)
     job.launch(on_forecast_update)
+    ended = False
     try:
         job.step_loop(stop)
+        ended = True
     except RunError as exc:
         run.event("failure", error=str(exc))
         raise
@@ -238,6 +240,8 @@ def train(
         pmesh.set_active(None)
         for t in trackers:
             t.close()
+        if not ended:
+            job.ckpts.abandon()  # a failing run still waits for a save in flight; its own error is the one raised
     return job.finish()
 
 
@@ -277,6 +281,9 @@ class _Job:
         self.start, self.skip, self.cursor_ok = 0, set(), False
         # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
         self.guard = {"consecutive": 0, "restored": False}
+        t = cfg.train
+        if t.checkpoint_dir:  # any path Orbax's file layer takes (gs://...); the run's ckpt/ otherwise
+            run.ckpt = checkpoint.as_path(t.checkpoint_dir)
         saved = checkpoint.steps(run.ckpt)
 
         def damaged(step: int, reason: str) -> None:
@@ -289,6 +296,9 @@ class _Job:
         found = checkpoint.restore_newest(run.ckpt, self.state, damaged) if resume and saved else None
         if resume and saved and found is None:
             raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores; the run cannot resume")
+        # the journal's checkpoint event is written once a checkpoint is complete (a background save's later)
+        self.ckpts = checkpoint.Checkpoints(run.ckpt, t.keep_last, t.keep_every, t.keep_steps, t.async_checkpoint,
+                                            lambda info: run.event("checkpoint", **info), _fault_hook(run))  # fmt: skip
         if found is not None:
             self.state, meta, step = found
             self.start, self.skip = meta["step"], set(meta["skip_steps"])
@@ -402,6 +412,9 @@ class _Job:
             self.bar.update(1)
             self.after_step(s, metrics, timing)
         self.bar.close()
+        self.ckpts.wait()  # the last save complete; a runner that lost its lease meanwhile stops here
+        if stop is not None and stop():
+            raise RunError(f"stopped at step {s}: another runner holds this run now; nothing more is written")
 
     def batch(self, s: int):
         """Step ``s``'s batch: on a mesh each process builds only its devices' rows (all of them when
@@ -415,6 +428,8 @@ class _Job:
         return batch if self.mesh is None else pmesh.put_batch(batch, self.mesh)
 
     def finish(self) -> dict:
+        say("waiting for the last checkpoint to be complete", self.progress and self.ckpts.saving())
+        self.ckpts.close()  # the run never ends with a save in flight
         summary = summarize(self.run, self.cfg, self.peak, self.peak_source)
         self.run.summary.write_text(json.dumps(summary, indent=1))
         self.run.event("end", step=self.steps, summary=summary)
@@ -432,7 +447,7 @@ class _Job:
             return None
         n_bad = guard["consecutive"]
         bad = [x for x in range(s, -1, -1) if x not in self.skip][:n_bad][::-1]
-        ckpts = checkpoint.steps(run.ckpt)
+        ckpts = self.ckpts.steps()  # a save in flight is waited for: it may be the one to restore
         if guard["restored"] or not ckpts:
             why = "again after a restore" if guard["restored"] else "and there is no checkpoint to restore"
             raise RunError(
@@ -491,13 +506,12 @@ class _Job:
             "seed": cfg.train.seed,
             "time": time.time(),
         }
-        t = cfg.train
-        path = checkpoint.save(run.ckpt, done, self.state, meta, t.keep_last, t.keep_every, self.fault, t.keep_steps)
-        run.event("checkpoint", step=done, path=f"ckpt/{path.name}")
+        self.ckpts.save(done, self.state, meta)  # in the background with train.async_checkpoint
 
     def after_step(self, done: int, metrics, timing: list) -> None:
         """Log (when the step ran), evaluate and checkpoint after step ``done``."""
         cfg, steps = self.cfg, self.steps
+        self.ckpts.poll()  # a background save that completed: its journal event
         if metrics is not None and (done % cfg.train.log_every == 0 or done == steps):
             m = jax.device_get(metrics)
             t_sum, n = timing

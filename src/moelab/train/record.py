@@ -35,8 +35,28 @@ class RunDir:
         self.config = self.path / "config.json"
         self.metrics = self.path / "metrics.jsonl"
         self.events = self.path / "events.jsonl"
-        self.ckpt = self.path / "ckpt"
+        self._ckpt = None
         self.summary = self.path / "summary.json"
+
+    @property
+    def ckpt(self):
+        """The run's checkpoint folder: its config's train.checkpoint_dir when set (any path Orbax's file
+        layer takes: gs://...), else ``<run>/ckpt``."""
+        if self._ckpt is not None:
+            return self._ckpt
+        try:
+            where = json.loads(self.config.read_text())["config"]["train"].get("checkpoint_dir", "")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            where = ""
+        if not where:
+            return self.path / "ckpt"
+        from moelab.train.checkpoint import as_path
+
+        return as_path(where)
+
+    @ckpt.setter
+    def ckpt(self, where) -> None:
+        self._ckpt = where
 
     def event(self, kind: str, **fields) -> dict:
         rec = {"time": time.time(), "event": kind, **fields}
