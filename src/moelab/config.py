@@ -529,6 +529,11 @@ class Config:
                 f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
                 f"{shards} devices; use a multiple of {shards}"
             )
+        if cfg.train.offload in ("layer_inputs", "all") and cfg.model.remat != "layer":
+            e.append(
+                f"train.offload: {cfg.train.offload} keeps each rematerialised block's input in host memory; "
+                "set model.remat=layer (or train.offload=optimizer)"
+            )
         mb = cfg.train.micro_batch
         if mesh_ok and mb > 0 and cfg.train.batch_size % max(mb, 1) == 0 and mb % shards:
             e.append(

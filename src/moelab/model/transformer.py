@@ -6,11 +6,13 @@ Follow one token: embed -> per layer [RMSNorm -> attention -> +residual -> RMSNo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moelab.config import ModelConfig
 from moelab.model.layers import attention, rms_norm
@@ -193,8 +195,12 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
         return x, 0, [], []
     fold = lambda a: a[:n_full].reshape((n_full // period, period) + a.shape[1:])  # noqa: E731
 
+    offload = m.remat == "layer" and _OFFLOAD_INPUTS
+
     def body(x, xs):
         p_stack, bias_stack = xs
+        if offload:  # the block's input: the one thing the backward pass keeps, kept in host memory
+            x = checkpoint_name(x, "block_input")
         metrics, biases = [], []
         for j in range(period):
             p = jax.tree.map(lambda a, j=j: a[j], p_stack)
@@ -204,11 +210,35 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
         return x, (jax.tree.map(lambda *a: jnp.stack(a), *metrics), jnp.stack(biases))
 
     if m.remat == "layer":
-        body = jax.checkpoint(body)
+        body = jax.checkpoint(body, policy=offload_policy() if offload else None)
     x, (metrics, biases) = jax.lax.scan(body, x, (jax.tree.map(fold, params["layers"]), fold(state["router_bias"])))
     per_layer = jax.tree.map(lambda a: a.reshape((n_full,) + a.shape[2:]), metrics)
     layer_metrics = [jax.tree.map(lambda a, i=i: a[i], per_layer) for i in range(n_full)]
     return x, n_full, layer_metrics, list(biases.reshape((n_full,) + biases.shape[2:]))
+
+
+_OFFLOAD_INPUTS = False  # set while tracing a train step with train.offload layer_inputs (or all)
+
+
+@contextlib.contextmanager
+def offloading_block_inputs():
+    """While tracing under this, ``remat: layer`` saves each scanned block's input in host memory
+    (``pinned_host``) for the backward pass instead of the device's, as Marin does on GB200: JAX
+    copies it out in the forward pass and back in the backward pass."""
+    global _OFFLOAD_INPUTS
+    before, _OFFLOAD_INPUTS = _OFFLOAD_INPUTS, True
+    try:
+        yield
+    finally:
+        _OFFLOAD_INPUTS = before
+
+
+def offload_policy():
+    """Save nothing on the device; offload the values named ``block_input`` to pinned host memory."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["block_input"],
+        offload_src="device", offload_dst="pinned_host",
+    )  # fmt: skip
 
 
 @jax.custom_vjp

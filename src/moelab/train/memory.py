@@ -81,9 +81,10 @@ def tree_bytes(tree, sizes: dict[str, int], fsdp: bool) -> int:
     return total
 
 
-def residual_bytes(f, *args) -> int:
-    """Bytes of what ``jax.vjp(f, *args)`` keeps for the backward pass, its own arguments excluded
-    (each kept value counted once); traced on abstract shapes, nothing runs."""
+def residuals(f, *args) -> list:
+    """The abstract values ``jax.vjp(f, *args)`` keeps for the backward pass, its own arguments
+    excluded, each once (with its memory space: ``f32<host>[...]`` is kept in host memory); traced
+    on abstract shapes, nothing runs."""
     import jax
 
     leaves, tree = jax.tree_util.tree_flatten(args)
@@ -95,13 +96,24 @@ def residual_bytes(f, *args) -> int:
     n_res = len(jax.tree_util.tree_leaves(shapes[1]))
     jaxpr = closed.jaxpr
     args_in = {id(v) for v in jaxpr.invars}
-    seen, total = set(), 0
+    seen, out = set(), []
     for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :]:
         if not hasattr(v, "aval") or id(v) in args_in or id(v) in seen or not hasattr(v.aval, "shape"):
             continue
         seen.add(id(v))
-        total += math.prod(v.aval.shape) * _itemsize(v.aval.dtype)
-    return total
+        out.append(v.aval)
+    return out
+
+
+def on_host(aval) -> bool:
+    import jax
+
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def residual_bytes(f, *args, host: bool = False) -> int:
+    """Bytes of what the backward pass of ``f`` keeps in device memory (``host``: in host memory)."""
+    return sum(math.prod(a.shape) * _itemsize(a.dtype) for a in residuals(f, *args) if on_host(a) == host)
 
 
 def _traced_model(cfg: Config, expert: int):
@@ -528,3 +540,45 @@ def fit_check(cfg: Config) -> None:
         f"{cfg.model.seq_len} tokens) and {where}; {what} "
         "(moelab plan memory; MOELAB_NO_FIT_CHECK=1 to try anyway)"
     )
+
+
+HOST_SPACE = "S(5)"  # XLA's memory space of host memory in a layout (pinned_host)
+
+
+def _top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside any brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def host_buffers(hlo_text: str) -> tuple[list[bool], list[bool]]:
+    """Which parameters and results of a compiled program XLA keeps in host memory, read from the
+    memory space of each entry of the HLO module's ``entry_computation_layout`` (flattened in JAX's
+    argument and output order)."""
+    key = "entry_computation_layout={"
+    start = hlo_text.index(key) + len(key)
+    depth, end = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
+        end += 1
+    layout = hlo_text[start : end - 1]
+    args, outs = layout.split(")->", 1)
+
+    def flags(part: str) -> list[bool]:
+        part = part.strip()
+        if part.startswith("("):
+            part = part[1:]
+        if part.endswith(")"):
+            part = part[:-1]
+        return [HOST_SPACE in p for p in _top_level(part)]
+
+    return flags(args), flags(outs)

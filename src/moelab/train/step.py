@@ -19,6 +19,8 @@ Megatron computes it: its f is the micro-batch's.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -26,6 +28,7 @@ import optax
 from moelab.config import Config
 from moelab.model import init_params, init_state, loss_fn
 from moelab.model import router as rt
+from moelab.model import transformer
 from moelab.model.transformer import ce_terms, forward, total_loss
 from moelab.parallel import mesh as pmesh
 from moelab.train import optim
@@ -77,6 +80,15 @@ def _whole_batch(per_micro: dict, bias: jax.Array, m) -> tuple[dict, jax.Array]:
     return layers, new_bias
 
 
+def offload_state(state: dict, cfg: Config) -> dict:
+    """The train state with its optimizer state in pinned host memory when ``train.offload`` says
+    so (each leaf keeps its devices and sharding; only the memory kind changes), else as it was."""
+    if cfg.train.offload not in ("optimizer", "all"):
+        return state
+    host = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), state["opt_state"])
+    return dict(state, opt_state=host)
+
+
 def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper, shardings=None):
     """``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
     gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
@@ -85,7 +97,14 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
     hold = (lambda tree, s: jax.lax.with_sharding_constraint(tree, s)) if shardings is not None else (lambda t, s: t)  # noqa: E731
 
     n_micro = cfg.train.batch_size // cfg.train.micro_batch if cfg.train.micro_batch else 1
+    off_opt = cfg.train.offload in ("optimizer", "all")
+    off_inputs = cfg.train.offload in ("layer_inputs", "all")
+    host_opt = shardings and shardings["opt_state"]
+    if shardings is not None:  # the step computes in device memory whatever memory the state is kept in
+        shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
     grad_shardings = shardings and shardings["params"]
+    moved = (lambda tree, s, space: jax.device_put(tree, s if s is not None else space))  # noqa: E731
+    offloading = transformer.offloading_block_inputs if off_inputs else contextlib.nullcontext
 
     def accumulate(state: dict, batch: jax.Array, logit_z_scale):
         """The micro-steps: (loss, metrics, new model state, mean gradients) of the whole batch."""
@@ -112,15 +131,20 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
     def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array, faults=None):
         """faults (fault injection): lr_scale, logit_z_scale, freeze_bias; None = none."""
         f = faults or {"lr_scale": 1.0, "logit_z_scale": 1.0, "freeze_bias": False}
+        if off_opt:  # kept in host memory between steps: moved in for the update
+            state = dict(state, opt_state=moved(state["opt_state"], shardings and shardings["opt_state"],
+                                                jax.memory.Space.Device))  # fmt: skip
         opt_state, _ = optim.set_lr(state["opt_state"], data_step, h, f["lr_scale"])
         lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        if n_micro == 1:
-            (loss, (metrics, new_model_state)), grads = grad_fn(
-                state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m, logit_z_scale=f["logit_z_scale"]
-            )
-        else:
-            loss, metrics, new_model_state, grads = accumulate(state, batch, f["logit_z_scale"])
+        with offloading():
+            if n_micro == 1:
+                (loss, (metrics, new_model_state)), grads = grad_fn(
+                    state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m,
+                    logit_z_scale=f["logit_z_scale"],
+                )  # fmt: skip
+            else:
+                loss, metrics, new_model_state, grads = accumulate(state, batch, f["logit_z_scale"])
         new_model_state = jax.tree.map(
             lambda new, old: jnp.where(f["freeze_bias"], old, new), new_model_state, state["model_state"]
         )
@@ -138,6 +162,8 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
         # a CPU step at shape A)
         new_state = jax.lax.cond(finite, update, lambda _: state, None)
         new_state = hold(new_state, shardings)
+        if off_opt:  # and out again
+            new_state = dict(new_state, opt_state=moved(new_state["opt_state"], host_opt, jax.memory.Space.Host))
         out = {
             "loss": loss,
             "ce": metrics["ce"],
