@@ -120,3 +120,28 @@ def test_offload_config_errors():
         load_config("tiny", ["train.offload=layer_inputs"])
     r = run_cli("config", "tiny", "--set", "train.offload=disk")
     assert r.returncode == 2 and "train.offload: must be one of" in r.stderr
+
+
+def test_each_layer_remat_computes_the_same_and_keeps_each_layers_input():
+    """remat each_layer (Marin's: every layer its own checkpoint) gives the loss and gradients of no
+    remat; the backward pass keeps each layer's input (on the host when offloading), nothing of a
+    layer's inside."""
+    cfg = load_config("tiny", MICRO + ["model.n_layers=4", "model.sliding_window=16", "model.global_every=2"])
+    params = init_train_state(cfg, optim.make_optimizer(cfg, optim.hyper(cfg)))["params"]
+    tokens = jnp.asarray(_batch(cfg, 1))
+
+    def f(p, m):
+        return loss_fn(p, tr.init_state(m), tokens[:, :-1], tokens[:, 1:], m)[0]
+
+    ref = jax.value_and_grad(f)(params, cfg.model)
+    each = load_config(cfg, ["model.remat=each_layer"]).model
+    got = jax.value_and_grad(f)(params, each)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    shape = (cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model)
+    period, n_full = tr.scan_blocks(each)
+    with tr.offloading_block_inputs():
+        kept = residuals(lambda p: f(p, each), params)
+    host = [a for a in kept if on_host(a)]
+    # one [blocks, b, s, d] stack per layer position of the period, all on the host
+    assert len(host) == period and all(tuple(a.shape) == (n_full // period,) + shape for a in host)

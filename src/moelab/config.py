@@ -34,7 +34,7 @@ DROP_ORDERS = ("position", "score")
 DTYPES = ("auto", "float32", "bfloat16")
 OFFLOADS = ("none", "optimizer", "layer_inputs", "all")
 MATMUL_PRECISIONS = ("default", "high", "highest")
-REMATS = ("none", "layer")
+REMATS = ("none", "layer", "each_layer")
 
 BYTE_LEVEL_BASE = 257  # a byte-level BPE's first tokens: 256 bytes and end-of-text
 
@@ -97,7 +97,10 @@ class ModelConfig:
     # the precision that runs (moelab.train.loop.device_peak)
     matmul_precision: str = "default"
     # memory for large models
-    remat: str = "none"  # "layer": keep only each layer's input, recompute the layer in the backward pass
+    # layer: keep only the input of each scanned block (a period of the local/global pattern) and recompute
+    # the block in the backward pass; each_layer: keep each layer's input and recompute one layer at a time
+    # (Marin's: a block's residuals never live at once; the same compute)
+    remat: str = "none"
     # layers as a lax.scan over whole local/global periods: compile time that does not grow with depth.
     # auto: on an accelerator, or from SCAN_MIN_LAYERS layers (shallow CPU models step faster unrolled)
     scan_layers: str = "auto"
@@ -321,7 +324,7 @@ class TrainConfig:
     # balancing and z-losses are the whole batch's (moelab.train.step)
     micro_batch: int = 0
     # host offload (memory kind pinned_host): optimizer = AdamW/Muon state kept in host memory and moved
-    # in for the update; layer_inputs = with model.remat: layer, each rematerialised block's input saved
+    # in for the update; layer_inputs = with model.remat, each rematerialised block's (or layer's) input saved
     # to host memory; all = both (Marin's strategy on GB200)
     offload: str = "none"
     # checkpoints: saved in the background while training goes on (false: the step waits for each save)
@@ -529,10 +532,10 @@ class Config:
                 f"train.batch_size: {cfg.train.batch_size} sequences do not split over mesh.data x mesh.expert = "
                 f"{shards} devices; use a multiple of {shards}"
             )
-        if cfg.train.offload in ("layer_inputs", "all") and cfg.model.remat != "layer":
+        if cfg.train.offload in ("layer_inputs", "all") and cfg.model.remat == "none":
             e.append(
                 f"train.offload: {cfg.train.offload} keeps each rematerialised block's input in host memory; "
-                "set model.remat=layer (or train.offload=optimizer)"
+                "set model.remat=layer or each_layer (or train.offload=optimizer)"
             )
         mb = cfg.train.micro_batch
         if mesh_ok and mb > 0 and cfg.train.batch_size % max(mb, 1) == 0 and mb % shards:

@@ -20,17 +20,29 @@ class Device:
     memory_gb: float
     peak: dict[str, float]  # compute dtype -> FLOP/s
     kinds: tuple[str, ...]  # substrings of jax's device_kind that name it (lower case)
+    host_gb: float = 0.0  # host (CPU) memory per device, for offloaded state: see HOST_NOTES
 
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100", 80, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h100",)),
-        Device("H200", 141, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h200",)),
-        Device("GB200", 192, {"bfloat16": 2.5e15, "tensorfloat32": 1.25e15, "float32": 80e12}, ("gb200", "b200")),
-        Device("TPU v5p", 95, {"bfloat16": 459e12}, ("tpu v5p", "tpu v5")),
-        Device("TPU v6e", 32, {"bfloat16": 918e12}, ("tpu v6e", "tpu v6 lite", "tpu v6")),
+        Device("H100", 80, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h100",), 256),
+        Device("H200", 141, {"bfloat16": 989e12, "tensorfloat32": 494.5e12, "float32": 67e12}, ("h200",), 256),
+        Device("GB200", 192, {"bfloat16": 2.5e15, "tensorfloat32": 1.25e15, "float32": 80e12}, ("gb200", "b200"), 240),
+        Device("TPU v5p", 95, {"bfloat16": 459e12}, ("tpu v5p", "tpu v5"), 112),
+        Device("TPU v6e", 32, {"bfloat16": 918e12}, ("tpu v6e", "tpu v6 lite", "tpu v6"), 180),
     )
+}
+
+
+# where each device's host memory comes from (``host_gb``): what the plan assumes, to be overridden
+# with ``moelab plan memory --host-memory GB`` for another machine
+HOST_NOTES = {
+    "H100": "assumed: a DGX/HGX H100 node's 2 TB of system memory shared by its 8 GPUs",
+    "H200": "assumed: a DGX/HGX H200 node's 2 TB of system memory shared by its 8 GPUs",
+    "GB200": "a Grace CPU's 480 GB of LPDDR5X shared by the two Blackwell GPUs of a GB200 superchip",
+    "TPU v5p": "assumed: a v5p host VM's ~448 GB shared by its 4 chips",
+    "TPU v6e": "assumed: a v6e host VM's ~1,440 GB shared by its 8 chips",
 }
 
 

@@ -14,6 +14,10 @@ ROW_NAMES = {
     "parameters": "parameters (fp32) + router state",
     "optimizer": "optimizer state",
     "gradients": "gradients (fp32)",
+    "gradient_accumulator": "gradient accumulator (fp32)",
+    "router_statistics": "router margins (whole-batch bias)",
+    "optimizer_in_flight": "optimizer state moved in (per leaf)",
+    "saved_inputs": "saved layer/block inputs",
     "gathered_weights": "gathered weights (compute copy, FSDP)",
     "activations": "activations",
     "all_to_all": "all-to-all send + receive buffers",
@@ -63,26 +67,39 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
 
     if problems := backend_problems(cfg.model):  # the plan traces the model on this machine
         raise ConfigError(problems)
+    if args.host_memory is not None and not args.host_memory > 0:
+        raise UsageError(f"--host-memory: must be > 0 GB, got {args.host_memory:g}")
     out = memory.plan(
-        cfg, data, expert, micro_batch=args.micro_batch, device=args.device, device_memory_gb=args.device_memory
-    )
+        cfg, data, expert, micro_batch=args.micro_batch, device=args.device, device_memory_gb=args.device_memory,
+        host_memory_gb=args.host_memory,
+    )  # fmt: skip
     if args.check:
-        out["check"] = memory.compiler_check(cfg, data, expert, micro_batch=out["micro_batch"], progress=not args.json)
+        out["check"] = memory.compiler_check(cfg, data, expert, micro_batch=out["micro_batch"], progress=not args.json,
+                                             device=args.device)  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     mesh = out["mesh"]
+    accumulate = f" x {out['micro_batches']} micro-batches" if out["micro_batches"] > 1 else ""
     print(
         f"{out['config'] or args.config} on data={data} x expert={expert} ({mesh['devices']} devices, "
         f"FSDP {'on' if mesh['fsdp'] else 'off'}), {out['micro_batch']} sequences "
-        f"({out['tokens_per_device']:,} tokens) per device, remat {out['remat']}"
+        f"({out['tokens_per_device']:,} tokens) per device{accumulate}, {out['compute_dtype']}, remat {out['remat']}, "
+        f"offload {out['offload']}; attention {out['attention']}"
     )
     unit, div = ("GB", 1e9) if out["total"] >= 1e9 else ("MB", 1e6)
-    print(f"  {'per device':<40} {unit:>10}")
+    print(f"  {'device memory, per device':<40} {unit:>10}")
     for key, value in out["rows"].items():
-        print(f"  {ROW_NAMES[key]:<40} {value / div:10.2f}")
+        if value or key in memory.ROWS[:3]:
+            print(f"  {ROW_NAMES[key]:<40} {value / div:10.2f}")
     print(f"  {'workspace margin (' + str(int(memory.MARGIN * 100)) + '%)':<40} {out['workspace_margin'] / div:10.2f}")
     print(f"  {'total':<40} {out['total'] / div:10.2f}")
+    if out["host_total"]:
+        print(f"  {'host memory, per device':<40} {unit:>10}")
+        for key, value in out["host_rows"].items():
+            if value:
+                print(f"  {ROW_NAMES[key]:<40} {value / div:10.2f}")
+        print(f"  {'total':<40} {out['host_total'] / div:10.2f}")
     if out["whole_over_data"]:
         print(
             f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: each of the "
@@ -92,18 +109,33 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     print("  activations by remat: " + ", ".join(f"{k} {v / div:.2f} {unit}" for k, v in acts.items()))
     if out["device_memory"] is not None:
         name = out["device"] or "the device"
-        verdict = "fits" if out["fits"] else "does NOT fit"
+        verdict = "fits" if out["fits_device"] else "does NOT fit"
         top = max(out["rows"], key=out["rows"].get)
         share = out["rows"][top] / out["total"]
         print(
-            f"  {verdict} in {name} ({out['device_memory'] / 1e9:g} GB); the largest row: {ROW_NAMES[top]}, {share:.0%}"
+            f"  device: {verdict} in {name} ({out['device_memory'] / 1e9:g} GB); the largest row: {ROW_NAMES[top]}, "
+            f"{share:.0%}"
         )
+        if out["host_total"]:
+            if out["host_memory"] is None:
+                print("  host: no host memory known for this device; give --host-memory GB")
+            else:
+                verdict = "fits" if out["fits_host"] else "does NOT fit"
+                print(f"  host: {verdict} in {out['host_memory'] / 1e9:g} GB per device ({out['host_note']})")
         mb = out.get("max_micro_batch")
         print(
             f"  largest micro-batch that fits: {mb} sequences per device"
             if mb
             else "  no micro-batch fits: not even one sequence per device"
         )
+        acc = out.get("accumulation")
+        if acc:
+            print(
+                f"  the whole batch fits through gradient accumulation: --set train.micro_batch={acc['train.micro_batch']} "
+                f"({acc['micro_batches']} micro-batches of {acc['micro_batch']} sequences per device)"
+            )
+        if out["fits"] is not None:
+            print(f"  verdict: {'fits' if out['fits'] else 'does NOT fit'}")
     if "check" in out:
         c = out["check"]
         print(
@@ -111,6 +143,8 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             f"{cfg.model.n_layers}): plan {c['plan_total'] / 1e9:.3f} GB, XLA {c['compiler_total'] / 1e9:.3f} GB, "
             f"ratio {c['ratio']:.3f} ({'within' if c['within_15pct'] else 'OUTSIDE'} 15%)"
         )
+        for line in c["unconfirmed"]:
+            print(f"  not confirmable on CPU: {line}")
         if c["global_dispatch"]:
             print("  note: each device dispatches the whole batch here (dropless or capacity_group 0 without EP);")
             print("  the plan counts that whole, an upper bound")
@@ -128,7 +162,10 @@ def register(sub) -> None:
     p.add_argument("--mesh", required=True, help="the mesh, data=D,expert=X (devices = D x X)")
     p.add_argument("--device", help="H100, H200, GB200, TPU-v5p or TPU-v6e: its memory is the budget")
     p.add_argument("--device-memory", type=float, help="the budget in GB (1e9 bytes), for a device not in the table")
-    p.add_argument("--micro-batch", type=positive_int, help="sequences per device (default train.batch_size / devices)")
+    p.add_argument("--host-memory", type=float, help="host memory per device in GB, for offloaded state "
+                   "(default: the device table's, e.g. GB200: a Grace CPU's 480 GB shared by 2 GPUs)")
+    p.add_argument("--micro-batch", type=positive_int,
+                   help="sequences per device per micro-step (default train.micro_batch, else the whole batch)")
     p.add_argument("--check", action="store_true", help="compile the step on simulated CPU devices and compare")
     p.add_argument("--json", action="store_true", help="one JSON object (with a boolean `fits`)")
     p.set_defaults(func=cmd_plan_memory)

@@ -158,7 +158,7 @@ SCAN_MIN_LAYERS = 12  # scan_layers: auto scans from this depth on CPU (measured
 
 def scans(m: ModelConfig) -> bool:
     """Whether the layers run as a ``lax.scan`` (``model.scan_layers``; ``remat: layer`` always does)."""
-    if m.remat == "layer" or m.scan_layers == "scan":
+    if m.remat != "none" or m.scan_layers == "scan":
         return True
     if m.scan_layers == "unrolled":
         return False
@@ -195,22 +195,30 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
         return x, 0, [], []
     fold = lambda a: a[:n_full].reshape((n_full // period, period) + a.shape[1:])  # noqa: E731
 
-    offload = m.remat == "layer" and _OFFLOAD_INPUTS
+    offload = m.remat != "none" and _OFFLOAD_INPUTS
+    policy = offload_policy() if offload else None
+
+    def saved(fn):
+        """``fn`` whose input is what its checkpoint keeps: in host memory when offloading."""
+        if not offload:
+            return fn
+        return lambda x, *rest, **kw: fn(checkpoint_name(x, "block_input"), *rest, **kw)
 
     def body(x, xs):
         p_stack, bias_stack = xs
-        if offload:  # the block's input: the one thing the backward pass keeps, kept in host memory
-            x = checkpoint_name(x, "block_input")
         metrics, biases = [], []
         for j in range(period):
             p = jax.tree.map(lambda a, j=j: a[j], p_stack)
-            x, met, bias = _layer(x, p, bias_stack[j], i=j, m=m, dispatch=dispatch, capture=capture)
+            one = functools.partial(_layer, i=j, m=m, dispatch=dispatch, capture=capture)
+            if m.remat == "each_layer":  # each layer its own checkpoint: one layer's residuals at a time
+                one = jax.checkpoint(saved(one), policy=policy)
+            x, met, bias = one(x, p, bias_stack[j])
             metrics.append(met)
             biases.append(bias)
         return x, (jax.tree.map(lambda *a: jnp.stack(a), *metrics), jnp.stack(biases))
 
     if m.remat == "layer":
-        body = jax.checkpoint(body, policy=offload_policy() if offload else None)
+        body = jax.checkpoint(saved(body), policy=policy)
     x, (metrics, biases) = jax.lax.scan(body, x, (jax.tree.map(fold, params["layers"]), fold(state["router_bias"])))
     per_layer = jax.tree.map(lambda a: a.reshape((n_full,) + a.shape[2:]), metrics)
     layer_metrics = [jax.tree.map(lambda a, i=i: a[i], per_layer) for i in range(n_full)]
@@ -222,7 +230,7 @@ _OFFLOAD_INPUTS = False  # set while tracing a train step with train.offload lay
 
 @contextlib.contextmanager
 def offloading_block_inputs():
-    """While tracing under this, ``remat: layer`` saves each scanned block's input in host memory
+    """While tracing under this, ``remat`` saves each scanned block's (each layer's) input in host memory
     (``pinned_host``) for the backward pass instead of the device's, as Marin does on GB200: JAX
     copies it out in the forward pass and back in the backward pass."""
     global _OFFLOAD_INPUTS
@@ -275,7 +283,7 @@ def forward(
     rest = params["layers"] if not first else jax.tree.map(lambda a: a[first:], params["layers"])
     for i, p in enumerate(unstack(rest) if first < m.n_layers else [], start=first):  # unrolled: local and
         one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)  # global layers differ
-        if m.remat == "layer":
+        if m.remat != "none":
             one = jax.checkpoint(one)
         x, metrics, bias = one(x, p, state["router_bias"][i])
         layer_metrics.append(metrics)

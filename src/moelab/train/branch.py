@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import Config, config_hash, load_config, to_dict
+from moelab.config import Config, config_hash, load_config, resolve_dtype, to_dict
 from moelab.errors import RunRefused
 
 # what a branch may change besides its horizon: nothing here alters a step before the branch point
@@ -127,6 +127,7 @@ def start_branch(parent_dir: str | Path, at: int, out: str | Path, cfg: Config) 
     shutil.copytree(src, tmp / "ckpt" / src.name)
     with open(parent.metrics, "rb") as fh:  # the parent's records as they stood when it saved that step
         (tmp / "metrics.jsonl").write_bytes(fh.read(meta["metrics_cursor"]))
+    cfg = resolve_dtype(cfg)  # as the run records it (compute_dtype auto resolved here)
     (tmp / "config.json").write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
     if (parent.path / "tokenizer.json").is_file():
         shutil.copyfile(parent.path / "tokenizer.json", tmp / "tokenizer.json")

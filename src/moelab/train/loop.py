@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from moelab import accounting
-from moelab.config import Config, config_hash, to_dict
+from moelab.config import Config, config_hash, resolve_dtype, to_dict
 from moelab.data.mixture import batch_at, batch_rows, build_mixture, epochs_at
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
@@ -43,7 +43,7 @@ from moelab.train.record import (
     versions,
 )
 from moelab.train.schedule import eval_points  # noqa: F401 - importable from here
-from moelab.train.step import init_train_state, make_train_step
+from moelab.train.step import init_train_state, make_train_step, offload_state
 
 # testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop
 # freezes the process (SIGSTOP) where kill ends it, for a test to wake it (SIGCONT) later
@@ -72,6 +72,10 @@ def _fault_hook(run: RunDir):
     return hook
 
 
+# fields a resume may change: where and how the same run is computed, not what it computes
+PLACEMENT = {"mesh.data", "mesh.expert", "mesh.fsdp", "train.micro_batch", "train.offload", "train.async_checkpoint"}
+
+
 def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     """The config to run: ``cfg``, or the run's own when resuming (with ``cfg`` None, or when the
     run was re-planned and ``cfg`` differs from it only in its horizon)."""
@@ -89,11 +93,16 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     diff = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]]
     if ours.train.replans and set(diff) <= {"train.steps", "train.replans"}:
         return ours  # `moelab replan` changed the horizon: the run follows its new plan
-    if set(diff) <= {"mesh.data", "mesh.expert", "mesh.fsdp"}:
-        # a placement, not a change of the run: resume on another mesh, and record it
+    if set(diff) <= PLACEMENT:
+        # a placement, not a change of the run: resume on another mesh, with other micro-batches, offload or
+        # checkpoint saving (what fits the machines it now runs on), and record it
         _mesh(cfg)  # refused before the record changes
         run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
-        run.event("mesh_change", before=old["mesh"], after=new["mesh"])
+        if set(diff) & {"mesh.data", "mesh.expert", "mesh.fsdp"}:
+            run.event("mesh_change", before=old["mesh"], after=new["mesh"])
+        if rest := sorted(set(diff) - {"mesh.data", "mesh.expert", "mesh.fsdp"}):
+            sec = lambda d, k: d.get(k.split(".")[0], {}).get(k.split(".")[1])  # noqa: E731
+            run.event("placement_change", before={k: sec(old, k) for k in rest}, after={k: sec(new, k) for k in rest})
         return cfg
     raise RunRefused(
         f"{run.path}: the config differs from the run's ({', '.join(diff) or 'name'}); resume with the same config"
@@ -210,6 +219,8 @@ def train(
     launch (the record of what runs, the forecast and learning-rate plan it is held to, the health
     monitor), the step loop, the summary."""
     run = RunDir(out)
+    if cfg is not None:  # compute_dtype auto: what runs here is what the run records and hashes
+        cfg = resolve_dtype(cfg)
     if jax.process_index() > 0:  # one writer: the others keep their records apart and share ckpt/
         run = RunDir(Path(out) / f".process-{jax.process_index()}")
         run.ckpt = Path(out) / "ckpt"
@@ -278,6 +289,7 @@ class _Job:
         self.state = init_train_state(cfg, self.opt)
         if self.mesh is not None:  # by the rules table: FSDP over `data`, experts also over `expert`
             self.state = pmesh.shard_tree(self.state, self.mesh, cfg.mesh.fsdp)
+        self.state = offload_state(self.state, cfg)  # train.offload: the optimizer state in host memory
         self.start, self.skip, self.cursor_ok = 0, set(), False
         # the NaN guard's memory: non-finite steps in a row, and whether it restored since the last checkpoint
         self.guard = {"consecutive": 0, "restored": False}
@@ -545,9 +557,9 @@ def matmul_dtype(cfg: Config, backend: str | None = None) -> str:
     the float32 peak could pass 100%)."""
     m = cfg.model
     backend = backend or jax.default_backend()
-    if m.compute_dtype == "float32" and backend == "gpu" and m.matmul_precision != "highest":
+    if m.dtype == "float32" and backend == "gpu" and m.matmul_precision != "highest":
         return "tensorfloat32"
-    return m.compute_dtype
+    return m.dtype
 
 
 def set_matmul_precision(cfg: Config) -> None:

@@ -38,17 +38,12 @@ from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
 
 MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
+FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics",
+              "optimizer_in_flight", "gathered_weights")  # fmt: skip
+HOST_INPUTS = "saved_inputs"  # the per-micro-batch row that lives in host memory under train.offload
 GB = 1e9
-ROWS = (
-    "parameters",
-    "optimizer",
-    "gradients",
-    "gathered_weights",
-    "activations",
-    "all_to_all",
-    "logits_and_loss",
-    "inputs",
-)
+ROWS = FIXED_ROWS + ("activations", "all_to_all", "logits_and_loss", "inputs")  # device rows
+HOST_ROWS = ("optimizer", HOST_INPUTS)
 
 
 def _itemsize(dtype) -> int:
@@ -243,13 +238,19 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
         extra = _moe_residuals(cfg, b * n_dev) - _moe_residuals(cfg, b)
         res = {kind: r + extra for kind, r in res.items()}
     per_layer = [res[(m.is_global(i), m.layer_kv_heads(i))] for i in range(m.n_layers)]
+    saved = 0
     if m.remat == "layer":
         period, n_full, single = _remat_blocks(m)
         saved = (n_full // period + single) * tokens * m.d_model * dt  # each block's input
         block = max(sum(per_layer[j : j + period]) for j in range(0, max(n_full, 1), period)) if n_full else 0
-        activations = saved + max(block, max(per_layer))
+        recomputed = max(block, max(per_layer))
+    elif m.remat == "each_layer":
+        saved = m.n_layers * tokens * m.d_model * dt  # each layer's input; one layer recomputed at a time
+        recomputed = max(per_layer)
     else:
-        activations = sum(per_layer)
+        recomputed = sum(per_layer)
+    host = cfg.train.offload in ("layer_inputs", "all") and m.remat != "none"
+    activations = recomputed + (0 if host else saved)
     a2a = 0
     if sizes["expert"] > 1:
         if m.dispatch == "dropless":  # one round's buffers: D * B <= t*k rows
@@ -264,7 +265,77 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
         "all_to_all": a2a,
         "logits_and_loss": logits,
         "inputs": b * (m.seq_len + 1) * 4,
+        HOST_INPUTS: saved if host else 0,
     }
+
+
+def for_target(cfg: Config, dev) -> tuple[Config, str]:
+    """``cfg`` as the target device runs it, and how its attention is counted: ``compute_dtype: auto``
+    resolved for the device (bf16 on a GPU or TPU, else this machine's), and on a GPU the fused cuDNN
+    kernel that ``attention_impl: auto`` picks in bf16 traced as moelab's flash path, its stand-in here
+    (cuDNN cannot be traced on a CPU): both keep q, k, v, the output and the softmax statistics for
+    the backward pass, no [s, s] probabilities."""
+    from moelab.config import resolve_dtype
+    from moelab.model.transformer import CUDNN_DTYPES
+
+    backend = None if dev is None else ("tpu" if dev.name.startswith("TPU") else "gpu")
+    cfg = resolve_dtype(cfg, backend)
+    m = cfg.model
+    fused = m.attention_impl == "cudnn" or (backend == "gpu" and m.attention_impl == "auto" and m.dtype in CUDNN_DTYPES)
+    if fused:
+        return load_config(cfg, ["model.attention_impl=flash"]), "fused (cuDNN), counted as moelab's flash path"
+    from moelab.model.transformer import attention_impl
+
+    return cfg, attention_impl(m, m.seq_len) if backend is None else ("flash" if m.seq_len >= 2048 else "blocked")
+
+
+def _fixed(cfg: Config, state, sizes: dict[str, int], fsdp: bool, whole: int, n_micro: int) -> tuple[dict, dict]:
+    """The rows that do not grow with the micro-batch: (device rows, host rows)."""
+    m, t = cfg.model, cfg.train
+    off_opt = t.offload in ("optimizer", "all")
+    opt = tree_bytes(state["opt_state"], sizes, fsdp)
+    grads = tree_bytes(state["params"], sizes, fsdp)
+    device = {
+        "parameters": tree_bytes({"params": state["params"], "model_state": state["model_state"]}, sizes, fsdp),
+        "optimizer": 0 if off_opt else opt,
+        "gradients": grads,
+        # the micro-steps' running sum beside each micro-step's own gradients
+        "gradient_accumulator": grads if n_micro > 1 else 0,
+        # the quantile bias update reads every micro-batch's margins [tokens, experts] of every layer
+        "router_statistics": (whole * m.seq_len * m.n_routed * 4 * m.n_layers
+                              if n_micro > 1 and m.bias_update == "quantile" and m.n_routed else 0),  # fmt: skip
+        # offloaded: moved in and out for the update leaf by leaf (XLA streams the copies), so about the
+        # largest leaf's state twice (in and updated) is on the device at once
+        "optimizer_in_flight": 2 * max(tree_bytes(leaf, sizes, fsdp) for leaf in _named_leaves(state["opt_state"]))
+        if off_opt else 0,
+        "gathered_weights": _gathered(cfg, state, sizes, fsdp),
+    }
+    host = {"optimizer": opt if off_opt else 0}
+    return device, host
+
+
+def _named_leaves(tree) -> list[dict]:
+    """Each array leaf of ``tree`` as a one-leaf tree keeping its path (so the rules place it)."""
+    import jax
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if hasattr(leaf, "shape"):
+            out.append({pmesh._leaf_name(path): leaf})
+    return out or [{}]
+
+
+UPDATE_ONLY = "optimizer_in_flight"  # alive only during the update, after the backward pass's buffers are freed
+STEP_ONLY = ("gathered_weights", "activations", "all_to_all", "logits_and_loss", "router_statistics")
+
+
+def counted_bytes(rows: dict) -> int:
+    """The device's peak from its rows: what lives through the whole step, plus the larger of the
+    forward/backward pass's buffers and the update's offloaded optimizer state moved in."""
+    rows = {k: v for k, v in rows.items() if k != HOST_INPUTS}
+    step = sum(rows.get(k, 0) for k in STEP_ONLY)
+    always = sum(v for k, v in rows.items() if k not in STEP_ONLY and k != UPDATE_ONLY)
+    return always + max(step, rows.get(UPDATE_ONLY, 0))
 
 
 def plan(
@@ -275,25 +346,36 @@ def plan(
     micro_batch: int | None = None,
     device: str | None = None,
     device_memory_gb: float | None = None,
+    host_memory_gb: float | None = None,
     fsdp: bool | None = None,
     max_micro_batch: bool = True,
 ) -> dict:
-    """The per-device memory plan of ``cfg``'s train step on a ``data`` x ``expert`` mesh."""
+    """The per-device memory plan of ``cfg``'s train step on a ``data`` x ``expert`` mesh, as the
+    target device runs it (``for_target``): device and host memory apart, with gradient
+    accumulation (``train.micro_batch``, or ``micro_batch`` sequences per device) and host offload
+    (``train.offload``) counted."""
     m = cfg.model
     if data < 1 or expert < 1:
         raise UsageError(f"--mesh: data and expert must be >= 1, got data={data}, expert={expert}")
     if m.n_routed % expert:
         raise UsageError(f"--mesh: expert={expert} does not divide model.n_routed={m.n_routed}")
     n_dev = data * expert
-    if micro_batch is None:
-        if cfg.train.batch_size % n_dev:
+    if cfg.train.batch_size % n_dev:
+        if micro_batch is None:
             raise UsageError(
                 f"--mesh: train.batch_size={cfg.train.batch_size} does not split over {n_dev} devices; "
                 f"give --micro-batch (sequences per device)"
             )
-        micro_batch = cfg.train.batch_size // n_dev
+        whole = micro_batch
+    else:
+        whole = cfg.train.batch_size // n_dev
+    if micro_batch is None:
+        mb = cfg.train.micro_batch
+        micro_batch = mb // n_dev if mb and mb % n_dev == 0 else whole
     if micro_batch < 1:
         raise UsageError(f"--micro-batch: must be >= 1, got {micro_batch}")
+    whole = max(whole, micro_batch)
+    n_micro = max(1, whole // micro_batch)
     fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
     dev = None
     if device is not None:
@@ -302,40 +384,75 @@ def plan(
             raise UsageError(
                 f"--device: unknown {device!r}; one of {', '.join(devices.DEVICES)}, or --device-memory GB"
             )
+    cfg, attention = for_target(cfg, dev)
+    m = cfg.model
     memory = device_memory_gb if device_memory_gb is not None else (dev.memory_gb if dev else None)
+    host_memory = host_memory_gb if host_memory_gb is not None else (dev.host_gb if dev else None)
     sizes = {"data": data, "expert": expert}
     _, state = _abstract_state(cfg)
-    fixed = {
-        "parameters": tree_bytes({"params": state["params"], "model_state": state["model_state"]}, sizes, fsdp),
-        "optimizer": tree_bytes(state["opt_state"], sizes, fsdp),
-        "gradients": tree_bytes(state["params"], sizes, fsdp),
-    }
-    fixed["gathered_weights"] = _gathered(cfg, state, sizes, fsdp)
-    rows = {**fixed, **_per_micro_batch(cfg, sizes, fsdp, micro_batch)}
-    counted = sum(rows.values())
+    fixed, host = _fixed(cfg, state, sizes, fsdp, whole, n_micro)
+    per = _per_micro_batch(cfg, sizes, fsdp, micro_batch)
+    host["saved_inputs"] = per.pop(HOST_INPUTS)
+    rows = {**fixed, **per}
+    counted = counted_bytes(rows)
     margin = int(MARGIN * counted)
     total = counted + margin
+    host_total = sum(host.values())
+    fits_device = None if memory is None else total <= memory * GB
+    fits_host = None if host_memory is None or not host_total else host_total <= host_memory * GB
     out = {
         "config": cfg.name,
         "mesh": {"data": data, "expert": expert, "devices": n_dev, "fsdp": fsdp},
+        "compute_dtype": m.dtype,
+        "attention": attention,
         "micro_batch": micro_batch,
+        "micro_batches": n_micro,
         "tokens_per_device": micro_batch * m.seq_len,
         "remat": m.remat,
+        "offload": cfg.train.offload,
         "rows": rows,
         "workspace_margin": margin,
         "counted": counted,
         "total": total,
+        "host_rows": host,
+        "host_total": host_total,
         "device": dev.name if dev else None,
         "device_memory": None if memory is None else int(memory * GB),
-        "fits": None if memory is None else total <= memory * GB,
+        "host_memory": None if host_memory is None else int(host_memory * GB),
+        "host_note": (devices.HOST_NOTES.get(dev.name) if dev and host_memory_gb is None else
+                      None if host_memory is None else "given (--host-memory)"),  # fmt: skip
+        "fits_device": fits_device,
+        "fits_host": fits_host,
+        "fits": None if memory is None else bool(fits_device and fits_host is not False),
     }
-    other = "none" if m.remat == "layer" else "layer"
-    alt = _per_micro_batch(load_config(cfg, [f"model.remat={other}"]), sizes, fsdp, micro_batch)
-    out["activations_by_remat"] = {m.remat: rows["activations"], other: alt["activations"]}
+    acts = {}
+    for remat in ("none", "layer", "each_layer"):
+        over = [f"model.remat={remat}"]
+        if remat == "none" and cfg.train.offload in ("layer_inputs", "all"):
+            over.append("train.offload=" + ("optimizer" if cfg.train.offload == "all" else "none"))
+        acts[remat] = rows["activations"] if remat == m.remat else (
+            _per_micro_batch(load_config(cfg, over), sizes, fsdp, micro_batch)["activations"])  # fmt: skip
+    out["activations_by_remat"] = acts
     out["whole_over_data"] = whole_over(state["params"], sizes, fsdp, "data")
+    if memory is not None:
+        out["accumulation"] = None if fits_device else _accumulation(cfg, state, sizes, fsdp, whole, memory * GB)
     if memory is not None and max_micro_batch:
         out["max_micro_batch"] = largest_micro_batch(cfg, sizes, fsdp, fixed, memory * GB)
     return out
+
+
+def _accumulation(cfg: Config, state, sizes: dict[str, int], fsdp: bool, whole: int, memory: float) -> dict | None:
+    """The fewest micro-batches (a divisor of a device's ``whole`` sequences) whose step fits:
+    ``{micro_batches, micro_batch (per device), train.micro_batch (over all devices)}``, or None."""
+    n_dev = sizes["data"] * sizes["expert"]
+    for n in range(2, whole + 1):
+        if whole % n:
+            continue
+        fixed, _ = _fixed(cfg, state, sizes, fsdp, whole, n)
+        b = whole // n
+        if counted_bytes({**fixed, **_per_micro_batch(cfg, sizes, fsdp, b)}) * (1 + MARGIN) <= memory:
+            return {"micro_batches": n, "micro_batch": b, "train.micro_batch": b * n_dev}
+    return None
 
 
 def whole_over(params, sizes: dict[str, int], fsdp: bool, axis: str) -> list[str]:
@@ -372,6 +489,8 @@ def _gathered(cfg: Config, state, sizes: dict[str, int], fsdp: bool) -> int:
     if m.remat == "layer":
         period, n_full, _ = _remat_blocks(m)
         live = (period if n_full else 1) * compute
+    elif m.remat == "each_layer":
+        live = compute
     else:
         live = m.n_layers * compute
     embed = tree_bytes({"embed": params["embed"]}, sizes, False)  # its fp32 gradient, whole
@@ -380,10 +499,9 @@ def _gathered(cfg: Config, state, sizes: dict[str, int], fsdp: bool) -> int:
 
 def largest_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, fixed: dict[str, int], memory: float) -> int:
     """The most sequences per device whose plan (with its margin) fits in ``memory`` bytes; 0 if none."""
-    base = sum(fixed.values())
 
     def total(b: int) -> float:
-        return (base + sum(_per_micro_batch(cfg, sizes, fsdp, b).values())) * (1 + MARGIN)
+        return counted_bytes({**fixed, **_per_micro_batch(cfg, sizes, fsdp, b)}) * (1 + MARGIN)
 
     if total(1) > memory:
         return 0
@@ -438,7 +556,7 @@ def check_layers(cfg: Config) -> tuple[int, int]:
     """The depths compiled by the check: 1 and 2 layers, or two and three rematerialised blocks
     when ``remat: layer`` scans blocks (fewer layers would be rematerialised one by one, which
     XLA:CPU schedules away)."""
-    if cfg.model.remat == "layer":
+    if cfg.model.remat != "none":
         period, n_full, _ = _remat_blocks(cfg.model)
         if n_full:
             return 2 * period, 3 * period
@@ -447,7 +565,7 @@ def check_layers(cfg: Config) -> tuple[int, int]:
 
 def compiler_check(
     cfg: Config, data: int, expert: int, *, micro_batch: int | None = None, fsdp: bool | None = None,
-    layers: tuple[int, int] | None = None, progress: bool = False,
+    layers: tuple[int, int] | None = None, progress: bool = False, device: str | None = None,
 ) -> dict:  # fmt: skip
     """The plan against the compiler: the train step of copies of ``cfg`` with ``layers`` layers
     (full width) compiled for the mesh, XLA's per-device totals extended linearly to the config's
@@ -459,28 +577,58 @@ def compiler_check(
 
     n_dev = data * expert
     fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
-    dtype = cfg.model.compute_dtype
-    cfg = load_config(cfg, ["model.compute_dtype=float32"])
+    dev = devices.lookup(device) if device else None
+    target, attention = for_target(cfg, dev)
+    dtype = target.model.dtype
+    cfg = load_config(target, ["model.compute_dtype=float32"])
     layers = layers or check_layers(cfg)
     full = plan(cfg, data, expert, micro_batch=micro_batch, fsdp=fsdp, max_micro_batch=False)
-    b = full["micro_batch"]
+    b, n_micro = full["micro_batch"], full["micro_batches"]
     compiled = {}
     for n in layers:
         say(f"compiling the train step with {n} layer(s) for a {data} x {expert} mesh (abstract inputs)", progress)
-        small = load_config(cfg, [f"model.n_layers={n}", f"train.batch_size={b * n_dev}"])
-        compiled[n] = compiled_bytes(small, data, expert, b, fsdp)
+        small = load_config(cfg, [f"model.n_layers={n}", f"train.batch_size={b * n_micro * n_dev}",
+                                  f"train.micro_batch={b * n_dev if n_micro > 1 else 0}"])  # fmt: skip
+        compiled[n] = compiled_bytes(small, data, expert, b * n_micro, fsdp)
     (n1, n2), L = layers, cfg.model.n_layers
     t1, t2 = compiled[n1]["total"], compiled[n2]["total"]
     scaled = t1 + (t2 - t1) * (L - n1) / (n2 - n1)
+    # XLA:CPU has one memory: offloaded buffers are its arguments and temporaries like any other, and
+    # the moves between memories compile to nothing; so the plan's device and host rows are compared
+    # together, without the optimizer state moved in for the update
+    together = counted_bytes({**full["rows"], UPDATE_ONLY: 0}) + full["host_total"]
+    unconfirmed = []
+    if cfg.model.remat == "each_layer":
+        # XLA:CPU's scheduler recomputes a scanned period's layers together whatever the checkpoints
+        # (measured: tiny, 8 layers, 2 x 4: 19.3 MB compiled against 15.6 with remat: layer); the
+        # comparison takes the plan as CPU runs it: each layer's input kept, a period recomputed at once
+        as_cpu = plan(load_config(cfg, ["model.remat=layer"]), data, expert, micro_batch=b, fsdp=fsdp,
+                      max_micro_batch=False)  # fmt: skip
+        period, n_full, single = _remat_blocks(cfg.model)
+        extra = (cfg.model.n_layers - (n_full // period + single)) * b * cfg.model.seq_len * cfg.model.d_model * 4
+        together = counted_bytes({**as_cpu["rows"], UPDATE_ONLY: 0}) + as_cpu["host_total"] + extra
+        unconfirmed.append("remat each_layer's one layer recomputed at a time: XLA:CPU recomputes a period's layers "
+                           "together, so the check compares the plan of that schedule")  # fmt: skip
+    if dtype != "float32":
+        unconfirmed.append(f"{dtype}: XLA:CPU computes it through fp32 buffers, so both sides are taken in fp32")
+    if full["host_total"]:
+        unconfirmed.append("device and host apart (train.offload): XLA:CPU has one memory, so their sum is compared; "
+                           "the placement itself is read from the compiled HLO (tests/test_offload.py)")  # fmt: skip
+        if full["rows"].get(UPDATE_ONLY):
+            unconfirmed.append("the optimizer state moved in for the update: no copy is made on CPU")
+    if attention.startswith("fused"):
+        unconfirmed.append("the fused cuDNN attention: cuDNN cannot compile on CPU; moelab's flash path, which keeps "
+                           "the same tensors, is compiled in its place")  # fmt: skip
     return {
         "compute_dtype": "float32" + ("" if dtype == "float32" else f" (the config's {dtype}: see above)"),
         "layers_compiled": list(layers),
         "compiled": {str(n): v for n, v in compiled.items()},
         "compiler_total": int(scaled),
-        "plan_total": full["counted"],
-        "ratio": full["counted"] / scaled,
-        "within_15pct": abs(full["counted"] / scaled - 1) <= 0.15,
+        "plan_total": together,
+        "ratio": together / scaled,
+        "within_15pct": abs(together / scaled - 1) <= 0.15,
         "global_dispatch": global_dispatch(cfg, n_dev, expert, b),
+        "unconfirmed": unconfirmed,
     }
 
 
@@ -527,7 +675,7 @@ def fit_check(cfg: Config) -> None:
     if p["fits"]:
         return
     sizes = {"data": data, "expert": expert}
-    fixed = {k: p["rows"][k] for k in ("parameters", "optimizer", "gradients", "gathered_weights")}
+    fixed = {k: p["rows"][k] for k in FIXED_ROWS}
     best = largest_micro_batch(cfg, sizes, p["mesh"]["fsdp"], fixed, memory)
     what = (
         f"at most {best} sequences per device fit: train.batch_size {best * n_dev} or less"
