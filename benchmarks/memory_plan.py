@@ -40,7 +40,9 @@ def main() -> int:
     out = {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename, "cpus": os.cpu_count()}
     hero = load_config("marin-535b-a23b", HERO_WIDTH)
     t0 = time.perf_counter()
-    check = memory.compiler_check(hero, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
+    # the whole batch of the check is micro-batch x devices (gradient accumulation is checked on tiny shapes)
+    small_batch = load_config(hero, [f"train.batch_size={args.micro_batch * n}"])
+    check = memory.compiler_check(small_batch, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
     check["seconds"] = time.perf_counter() - t0
     check["mesh"] = {"data": args.data, "expert": args.expert, "micro_batch": args.micro_batch}
     out["check"] = check
@@ -51,25 +53,26 @@ def main() -> int:
         flush=True,
     )
     plans = {}
+    before = ["train.offload=none", "model.remat=layer"]  # as moelab planned it before issue 27
+    rung = load_config("marin-ladder-d768")
     for name, cfg, mesh, kw in [
-        ("hero, Marin's mesh, replicated rules", load_config(hero, ["mesh.fsdp=false"]), (11, 64), {}),
-        ("hero, Marin's mesh, FSDP", hero, (11, 64), {}),
-        ("hero, Marin's mesh, FSDP, remat layer, ce_chunk 8192",
-         load_config(hero, ["model.remat=layer", "model.ce_chunk=8192"]), (11, 64), {}),
-        ("hero, 8 racks x EP64, FSDP, remat layer, ce_chunk 8192",
-         load_config(hero, ["model.remat=layer", "model.ce_chunk=8192"]), (8, 64), {"micro_batch": 16}),
-        ("ladder d768, one 8-GPU node, FSDP, remat layer, ce_chunk 8192, capacity_group 4096",
-         load_config("marin-ladder-d768", ["model.remat=layer", "model.ce_chunk=8192", "model.capacity_group=4096"]),
-         (8, 1), {}),
+        ("hero, Marin's mesh, FSDP, remat layer, ce_chunk 8192 (before issue 27)", load_config(hero, before),
+         (11, 64), {}),
+        ("hero, Marin's mesh, Marin's strategy without offload", load_config(hero, ["train.offload=none"]), (11, 64), {}),
+        ("hero, Marin's mesh, Marin's strategy (the preset)", hero, (11, 64), {}),
+        ("ladder d768, one 8 x H100 node, the whole batch at once", rung, (8, 1), {}),
+        ("ladder d768, one 8 x H100 node, 2 micro-batches", load_config(rung, ["train.micro_batch=512"]), (8, 1), {}),
     ]:  # fmt: skip
         device = "H100" if "node" in name else "GB200"
         p = memory.plan(cfg, *mesh, device=device, **kw)
         plans[name] = p
+        acc = p.get("accumulation")
         print(
-            f"{name}: {p['total'] / 1e9:.1f} GB per device of {p['device_memory'] / 1e9:g} ({device}): "
-            f"{'fits' if p['fits'] else 'does not fit'}; largest micro-batch {p['max_micro_batch']}; "
-            f"state {(p['rows']['parameters'] + p['rows']['optimizer'] + p['rows']['gradients']) / 1e9:.1f} GB, "
-            f"activations {p['rows']['activations'] / 1e9:.1f} GB",
+            f"{name}: device {p['total'] / 1e9:.1f} GB of {p['device_memory'] / 1e9:g} ({device}), host "
+            f"{p['host_total'] / 1e9:.1f} GB of {p['host_memory'] / 1e9:g}: {'fits' if p['fits'] else 'does not fit'}; "
+            f"largest micro-batch {p['max_micro_batch']}"
+            + (f"; fits through train.micro_batch={acc['train.micro_batch']}" if acc else "")
+            + f"; activations {p['rows']['activations'] / 1e9:.1f} GB",
             flush=True,
         )
     out["plans"] = plans
@@ -86,7 +89,8 @@ def plot(plans: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.fonttype"] = "none"
-    rows = ["parameters", "optimizer", "gradients", "gathered_weights", "activations", "all_to_all", "logits_and_loss"]
+    rows = ["parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics", "gathered_weights",
+            "activations", "all_to_all", "logits_and_loss"]  # fmt: skip
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     names = list(plans)
     left = [0.0] * len(names)
@@ -99,7 +103,9 @@ def plot(plans: dict, path: Path) -> None:
         mem = plans[n]["device_memory"] / 1e9
         ax.plot([mem, mem], [j - 0.45, j + 0.45], color="black", lw=2)
         total = plans[n]["counted"] / 1e9
-        ax.text(min(total, cap) + 5, j, f"{total:,.0f} GB" + (" (cut)" if total > cap else ""), va="center", fontsize=6)
+        host = plans[n].get("host_total", 0) / 1e9
+        ax.text(min(total, cap) + 5, j, f"{total:,.0f} GB" + (" (cut)" if total > cap else "")
+                + (f"; host {host:,.0f} GB" if host else ""), va="center", fontsize=6)  # fmt: skip
     ax.set_xlim(0, cap + 120)
     ax.set_yticks(range(len(names)), [n.replace(", ", ",\n", 1) for n in names], fontsize=6)
     ax.invert_yaxis()

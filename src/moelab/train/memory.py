@@ -599,16 +599,10 @@ def compiler_check(
     together = counted_bytes({**full["rows"], UPDATE_ONLY: 0}) + full["host_total"]
     unconfirmed = []
     if cfg.model.remat == "each_layer":
-        # XLA:CPU's scheduler recomputes a scanned period's layers together whatever the checkpoints
-        # (measured: tiny, 8 layers, 2 x 4: 19.3 MB compiled against 15.6 with remat: layer); the
-        # comparison takes the plan as CPU runs it: each layer's input kept, a period recomputed at once
-        as_cpu = plan(load_config(cfg, ["model.remat=layer"]), data, expert, micro_batch=b, fsdp=fsdp,
-                      max_micro_batch=False)  # fmt: skip
-        period, n_full, single = _remat_blocks(cfg.model)
-        extra = (cfg.model.n_layers - (n_full // period + single)) * b * cfg.model.seq_len * cfg.model.d_model * 4
-        together = counted_bytes({**as_cpu["rows"], UPDATE_ONLY: 0}) + as_cpu["host_total"] + extra
-        unconfirmed.append("remat each_layer's one layer recomputed at a time: XLA:CPU recomputes a period's layers "
-                           "together, so the check compares the plan of that schedule")  # fmt: skip
+        unconfirmed.append("remat each_layer's one layer recomputed at a time: XLA:CPU does not keep to it inside a "
+                           "scanned period (at the hero's width, 2 x 32: 307 GB compiled against 172 planned; remat "
+                           "layer within 6%), so a ratio below 1 here measures the CPU's schedule; "
+                           "benchmarks/gpu_check.sh compiles it on a GPU")  # fmt: skip
     if dtype != "float32":
         unconfirmed.append(f"{dtype}: XLA:CPU computes it through fp32 buffers, so both sides are taken in fp32")
     if full["host_total"]:

@@ -116,6 +116,15 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
                     state["params"], state["model_state"], mb[:, :-1], mb[:, 1:], m, logit_z_scale=logit_z_scale
                 )
             acc = hold(jax.tree.map(jnp.add, acc, hold(g, grad_shardings)), grad_shardings)
+            mesh = pmesh.active()
+            if mesh is not None and m.bias_update == "quantile":  # the margins stay split by token, as the
+                # batch is (left to itself XLA replicates the stacked scan output on every device)
+                from jax.sharding import NamedSharding
+                from jax.sharding import PartitionSpec as P
+
+                margins = jax.lax.with_sharding_constraint(
+                    met["layers"]["bias_stat"], NamedSharding(mesh, P(None, pmesh.BATCH, None)))
+                met = dict(met, layers=dict(met["layers"], bias_stat=margins))
             return acc, {k: met[k] for k in ("ce", "logit_z", "router_z", "layers")}
 
         zeros = hold(jax.tree.map(jnp.zeros_like, state["params"]), grad_shardings)
