@@ -98,8 +98,9 @@ class ModelConfig:
     matmul_precision: str = "default"
     # memory for large models
     # layer: keep only the input of each scanned block (a period of the local/global pattern) and recompute
-    # the block in the backward pass; each_layer: keep each layer's input and recompute one layer at a time
-    # (Marin's: a block's residuals never live at once; the same compute)
+    # the block in the backward pass; each_layer: the same, and the block's recomputation keeps its layers'
+    # inputs and recomputes them one at a time (a block's residuals never live at once; one more forward
+    # pass of compute: XLA:CPU keeps per-layer checkpoints alone only as a whole period, measured)
     remat: str = "none"
     # layers as a lax.scan over whole local/global periods: compile time that does not grow with depth.
     # auto: on an accelerator, or from SCAN_MIN_LAYERS layers (shallow CPU models step faster unrolled)
