@@ -279,6 +279,7 @@ def test_gs_saves_restores_keeps_and_replaces_as_a_local_folder_does(fake_gcs):
     assert names == ["step_00000003", "step_00000005", "step_00000006"]
 
 
+@pytest.mark.slow  # a whole run on gs:// (17 s); saves, retention and restores on gs:// are checked by default
 def test_a_run_checkpointing_to_gs_resumes_exactly(corpus, fake_gcs, tmp_path):
     """train.checkpoint_dir on gs://: the run saves there, a resume restores from there (the newest
     gone, as if the run had died before it) and goes on to the uninterrupted run's numbers."""
