@@ -35,6 +35,8 @@ SCRIPTS = [
     ["memory_plan.py", "--data", "11", "--expert", "64", "--micro-batch", "1", "--out", "memory_plan_704.json"],
     # issue 27, item 5: the train step's time with a background checkpoint save in flight and without
     ["checkpoint_async.py"],
+    # issue 27: accumulation, offload and remat, the step time side by side
+    ["accumulate_offload.py"],
 ]
 
 if __name__ == "__main__":

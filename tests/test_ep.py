@@ -537,6 +537,7 @@ def test_ep_with_fsdp_training_equals_one_device_in_a_few_steps(corpus, tmp_path
             assert got == pytest.approx(want, abs=1e-4), name
 
 
+@pytest.mark.slow  # 35 s: two jax.distributed processes (the README's multi-process test)
 def test_two_processes_equal_one_in_two_steps(corpus, tmp_path):
     """The default run's version of the slow two-process check: two processes of four devices each
     (a coordinator on this machine), two steps, against one process of eight (this one)."""

@@ -185,6 +185,7 @@ def test_plan_counts_accumulation_and_offload():
     assert off["rows"]["optimizer_in_flight"] > 0 and off["counted"] < on["counted"]
 
 
+@pytest.mark.slow  # 14 s
 def test_compiler_check_with_accumulation_and_offload():
     """The plan against XLA with 2 micro-batches and everything offloaded: within 15% on the sum of
     device and host (XLA:CPU has one memory), and it says which rows it cannot confirm."""
