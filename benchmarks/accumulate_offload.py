@@ -65,7 +65,7 @@ def main() -> None:
         say(f"compiling: {name}", True)
         cfg = load_config(base, sets)
         step = make_train_step(cfg, opt, h)
-        state = offload_state(jax.tree.map(np.asarray, warm), cfg)
+        state = offload_state(jax.tree.map(jax.numpy.asarray, warm), cfg)
         state, m = step(state, batches[0], np.int32(2), np.bool_(False), None)  # compile and warm up
         float(m["loss"])
         runs[name] = {"step": step, "state": state, "times": [], "losses": []}
