@@ -40,8 +40,11 @@ VARIANTS = {
     "remat layer": ["model.remat=layer"],
     "remat layer, all offloaded": ["model.remat=layer", "train.offload=all"],
     "remat each_layer": ["model.remat=each_layer"],
-    "remat each_layer, all offloaded, 2 micro-batches": ["model.remat=each_layer", "train.offload=all",
-                                                         "train.micro_batch=16"],  # fmt: skip
+    "remat each_layer, all offloaded, 2 micro-batches": [
+        "model.remat=each_layer",
+        "train.offload=all",
+        "train.micro_batch=16",
+    ],  # fmt: skip
 }
 
 
@@ -71,7 +74,7 @@ def main() -> None:
         runs[name] = {"step": step, "state": state, "times": [], "losses": []}
     for r in range(args.rounds):
         say(f"round {r + 1} of {args.rounds}: a step of each variant", True)
-        for name, run in runs.items():
+        for run in runs.values():
             t0 = time.perf_counter()
             run["state"], m = run["step"](run["state"], batches[r + 1], np.int32(3 + r), np.bool_(False), None)
             run["losses"].append(float(m["loss"]))

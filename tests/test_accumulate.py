@@ -106,8 +106,11 @@ def test_micro_batches_keep_each_devices_rows():
         pytest.param(["model.dispatch=dropless"], (4,), marks=pytest.mark.slow),
         # capacity dispatch with a group of one sequence (seq_len 32)
         pytest.param([f"model.capacity_group={32}"], (4, 2), marks=pytest.mark.slow),
-        pytest.param(["model.dispatch=dropless", "model.bias_update=sign", "model.bias_rate=0.01"], (4, 2),
-                     marks=pytest.mark.slow),  # summed loads  # fmt: skip
+        pytest.param(
+            ["model.dispatch=dropless", "model.bias_update=sign", "model.bias_rate=0.01"],
+            (4, 2),
+            marks=pytest.mark.slow,
+        ),  # summed loads  # fmt: skip
     ],
     ids=["dropless-quantile-4", "dropless-quantile-2", "capacity-one-sequence-groups", "sign-bias"],
 )

@@ -173,7 +173,9 @@ def test_plan_counts_accumulation_and_offload():
     whole = memory.plan(cfg, 1, 1, max_micro_batch=False)
     four = memory.plan(load_config(cfg, ["train.micro_batch=4"]), 1, 1, max_micro_batch=False)
     assert four["micro_batch"] == 4 and four["micro_batches"] == 4 and whole["micro_batches"] == 1
-    assert four["rows"]["gradient_accumulator"] == four["rows"]["gradients"] and whole["rows"]["gradient_accumulator"] == 0
+    assert (
+        four["rows"]["gradient_accumulator"] == four["rows"]["gradients"] and whole["rows"]["gradient_accumulator"] == 0
+    )
     assert four["rows"]["router_statistics"] == m.n_layers * 16 * m.seq_len * m.n_routed * 4
     assert four["rows"]["activations"] < whole["rows"]["activations"]
     off = memory.plan(load_config(cfg, ["train.offload=all", "model.remat=layer"]), 1, 1, max_micro_batch=False)

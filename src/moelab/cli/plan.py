@@ -162,10 +162,17 @@ def register(sub) -> None:
     p.add_argument("--mesh", required=True, help="the mesh, data=D,expert=X (devices = D x X)")
     p.add_argument("--device", help="H100, H200, GB200, TPU-v5p or TPU-v6e: its memory is the budget")
     p.add_argument("--device-memory", type=float, help="the budget in GB (1e9 bytes), for a device not in the table")
-    p.add_argument("--host-memory", type=float, help="host memory per device in GB, for offloaded state "
-                   "(default: the device table's, e.g. GB200: a Grace CPU's 480 GB shared by 2 GPUs)")
-    p.add_argument("--micro-batch", type=positive_int,
-                   help="sequences per device per micro-step (default train.micro_batch, else the whole batch)")
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        help="host memory per device in GB, for offloaded state "
+        "(default: the device table's, e.g. GB200: a Grace CPU's 480 GB shared by 2 GPUs)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        help="sequences per device per micro-step (default train.micro_batch, else the whole batch)",
+    )
     p.add_argument("--check", action="store_true", help="compile the step on simulated CPU devices and compare")
     p.add_argument("--json", action="store_true", help="one JSON object (with a boolean `fits`)")
     p.set_defaults(func=cmd_plan_memory)

@@ -306,12 +306,16 @@ def _fixed(cfg: Config, state, sizes: dict[str, int], fsdp: bool, whole: int, n_
         # the micro-steps' running sum beside each micro-step's own gradients
         "gradient_accumulator": grads if n_micro > 1 else 0,
         # the quantile bias update reads every micro-batch's margins [tokens, experts] of every layer
-        "router_statistics": (whole * m.seq_len * m.n_routed * 4 * m.n_layers
-                              if n_micro > 1 and m.bias_update == "quantile" and m.n_routed else 0),  # fmt: skip
+        "router_statistics": (
+            whole * m.seq_len * m.n_routed * 4 * m.n_layers
+            if n_micro > 1 and m.bias_update == "quantile" and m.n_routed
+            else 0
+        ),  # fmt: skip
         # offloaded: moved in and out for the update leaf by leaf (XLA streams the copies), so about the
         # largest leaf's state twice (in and updated) is on the device at once
         "optimizer_in_flight": 2 * max(tree_bytes(leaf, sizes, fsdp) for leaf in _named_leaves(state["opt_state"]))
-        if off_opt else 0,
+        if off_opt
+        else 0,
         "gathered_weights": _gathered(cfg, state, sizes, fsdp),
     }
     host = {"optimizer": opt if off_opt else 0}
@@ -423,8 +427,13 @@ def plan(
         "device": dev.name if dev else None,
         "device_memory": None if memory is None else int(memory * GB),
         "host_memory": None if host_memory is None else int(host_memory * GB),
-        "host_note": (devices.HOST_NOTES.get(dev.name) if dev and host_memory_gb is None else
-                      None if host_memory is None else "given (--host-memory)"),  # fmt: skip
+        "host_note": (
+            devices.HOST_NOTES.get(dev.name)
+            if dev and host_memory_gb is None
+            else None
+            if host_memory is None
+            else "given (--host-memory)"
+        ),  # fmt: skip
         "fits_device": fits_device,
         "fits_host": fits_host,
         "fits": None if memory is None else bool(fits_device and fits_host is not False),

@@ -24,11 +24,12 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moelab.config import Config
-from moelab.model import init_params, init_state, loss_fn
+from moelab.model import init_params, init_state, loss_fn, transformer
 from moelab.model import router as rt
-from moelab.model import transformer
 from moelab.model.transformer import ce_terms, forward, total_loss
 from moelab.parallel import mesh as pmesh
 from moelab.train import optim
@@ -103,7 +104,7 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
     if shardings is not None:  # the step computes in device memory whatever memory the state is kept in
         shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
     grad_shardings = shardings and shardings["params"]
-    moved = (lambda tree, s, space: jax.device_put(tree, s if s is not None else space))  # noqa: E731
+    moved = lambda tree, s, space: jax.device_put(tree, s if s is not None else space)  # noqa: E731
     offloading = transformer.offloading_block_inputs if off_inputs else contextlib.nullcontext
 
     def accumulate(state: dict, batch: jax.Array, logit_z_scale):
@@ -119,11 +120,9 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
             mesh = pmesh.active()
             if mesh is not None and m.bias_update == "quantile":  # the margins stay split by token, as the
                 # batch is (left to itself XLA replicates the stacked scan output on every device)
-                from jax.sharding import NamedSharding
-                from jax.sharding import PartitionSpec as P
-
                 margins = jax.lax.with_sharding_constraint(
-                    met["layers"]["bias_stat"], NamedSharding(mesh, P(None, pmesh.BATCH, None)))
+                    met["layers"]["bias_stat"], NamedSharding(mesh, P(None, pmesh.BATCH, None))
+                )
                 met = dict(met, layers=dict(met["layers"], bias_stat=margins))
             return acc, {k: met[k] for k in ("ce", "logit_z", "router_z", "layers")}
 
