@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MICRO, run_cli
+from conftest import MICRO, random_batch, run_cli
 from moelab.config import ConfigError, load_config
 from moelab.parallel import mesh as pmesh
 from moelab.train import optim
@@ -22,15 +22,8 @@ METRICS = ("loss", "ce", "logit_z", "router_z_loss", "aux_loss", "dropped_frac_p
            "max_mean_load_per_layer", "router_entropy_per_layer", "expert_load", "grad_norm")  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _no_mesh_left_behind():
-    yield
-    pmesh.set_active(None)
-
-
-def _batch(cfg, seed):
-    shape = (cfg.train.batch_size, cfg.model.seq_len + 1)
-    return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), shape, 0, cfg.model.vocab_size), np.int32)
+pytestmark = pytest.mark.usefixtures("no_mesh_left_behind")
+_batch = random_batch
 
 
 _WARM: dict = {}

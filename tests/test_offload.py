@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MICRO, run_cli
+from conftest import MICRO, random_batch, run_cli
 from moelab.config import ConfigError, load_config
 from moelab.model import loss_fn
 from moelab.model import transformer as tr
@@ -23,15 +23,8 @@ from moelab.train.step import init_train_state, make_train_step, offload_state
 SETS = MICRO + ["model.remat=layer", "model.n_layers=2", "model.sliding_window=0", "train.batch_size=8"]
 
 
-@pytest.fixture(autouse=True)
-def _no_mesh_left_behind():
-    yield
-    pmesh.set_active(None)
-
-
-def _batch(cfg, seed):
-    shape = (cfg.train.batch_size, cfg.model.seq_len + 1)
-    return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), shape, 0, cfg.model.vocab_size), np.int32)
+pytestmark = pytest.mark.usefixtures("no_mesh_left_behind")
+_batch = random_batch
 
 
 def _steps(offload, mesh_shape=None, n=2):
