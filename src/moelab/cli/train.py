@@ -201,6 +201,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from moelab.train.evaluate import eval_noise, evaluate_run
 
+    if args.tasks:
+        from moelab.eval.tasks import evaluate_tasks
+
+        res = evaluate_tasks(args.run_dir, args.tasks, args.checkpoint, progress=not args.json)
+        if args.json:
+            print(_json.dumps(res, indent=1))
+            return 0
+        print(f"{args.run_dir} at step {res['step']}")
+        print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")
+        for name, r in res["tasks"].items():
+            mc = (
+                f"{r['acc']:>7.3f} {r['acc_norm']:>9.3f} {r['chance']:>7.3f}"
+                if "acc" in r
+                else f"{'':>7} {'':>9} {'':>7}"
+            )
+            print(f"  {name:<24} {r['examples']:>8} {mc} {r['bpb']:>10.4f}")
+        return 0
     if args.noise:
         if args.against:
             from moelab.train.record import load_run_config
@@ -312,6 +329,13 @@ def register(sub) -> None:
         metavar="SOURCE",
         help="evaluate on this data instead of the held-out split, whole, with the run's tokenizer: a file, folder, "
         "glob or name=path, as in data.sources (repeatable); loss and bits per byte per domain",
+    )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="FILE",
+        help="score task files (JSON lines: context + choices + answer, or context + continuation; see "
+        "moelab.eval.tasks) by log-likelihood: accuracy, length-normalised accuracy, bits per byte",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

@@ -1,0 +1,1 @@
+"""Evaluations beyond the held-out loss: task evaluations scored by log-likelihood (``tasks``)."""

@@ -1,0 +1,176 @@
+"""Task evaluations scored by log-likelihood: a small task format and its metrics.
+
+A task is a JSON-lines file, one example per line, of either kind:
+
+- multiple choice: ``{"context": str, "choices": [str, ...], "answer": int}``: the model's
+  log-likelihood of each choice after the context; ``acc`` is 1 when the right choice has the
+  highest, ``acc_norm`` when it has the highest per UTF-8 byte of the choice (lm-evaluation-harness's
+  normalisation, fair to choices of unequal length). Chance: the mean of 1 / choices.
+- a target continuation: ``{"context": str, "continuation": str}``: the bits per byte of the
+  continuation after the context (``-sum log p / ln 2 / its UTF-8 bytes``); lower is better.
+
+A multiple-choice task also reports the bits per byte of its right answers. Ties in ``acc`` go
+to the first choice with the highest score (so a model that scores every choice alike is right only
+where the answer is choice 0, as chance says).
+
+The log-likelihoods come from ``loglik(pairs) -> [nats]``: the summed log-probability of each
+continuation's tokens after its context, for a list of (context, continuation) pairs
+(``model_loglik`` builds one from a model; a test sets one by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from moelab.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Example:
+    context: str
+    choices: tuple[str, ...] = ()  # multiple choice; empty for a target continuation
+    answer: int = -1
+    continuation: str = ""
+
+
+def load_task(path: str | Path) -> list[Example]:
+    """The examples of a task file; a bad line is refused in one line naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--tasks: {path}: no such task file (JSON lines; see moelab.eval.tasks)")
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--tasks: {path}: not UTF-8 text (byte {exc.start})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--tasks: {path}:{i}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{where}: not a JSON object; each line is one example") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("context"), str):
+            raise UsageError(f'{where}: needs a string "context"')
+        if "choices" in rec:
+            choices, answer = rec["choices"], rec.get("answer")
+            if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
+                raise UsageError(f'{where}: "choices" must be a list of two or more non-empty strings')
+            if not (isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices)):
+                raise UsageError(f'{where}: "answer" must be the index of the right choice, 0..{len(choices) - 1}')
+            out.append(Example(rec["context"], tuple(choices), answer))
+        elif isinstance(rec.get("continuation"), str) and rec["continuation"]:
+            out.append(Example(rec["context"], continuation=rec["continuation"]))
+        else:
+            raise UsageError(f'{where}: give "choices" and "answer", or a non-empty "continuation"')
+    if not out:
+        raise UsageError(f"--tasks: {path}: holds no example")
+    return out
+
+
+def _bytes(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def score(examples: Sequence[Example], loglik: Callable[[list[tuple[str, str]]], Sequence[float]]) -> dict:
+    """A task's metrics from the log-likelihoods ``loglik`` gives (one call for every pair)."""
+    pairs = []
+    for ex in examples:
+        pairs.extend((ex.context, c) for c in ex.choices) if ex.choices else pairs.append((ex.context, ex.continuation))
+    ll = list(loglik(pairs))
+    if len(ll) != len(pairs):
+        raise ValueError(f"loglik gave {len(ll)} values for {len(pairs)} pairs")
+    acc = acc_norm = chance = 0.0
+    n_mc = 0
+    nats = n_bytes = 0.0
+    k = 0
+    for ex in examples:
+        if ex.choices:
+            got = ll[k : k + len(ex.choices)]
+            k += len(ex.choices)
+            best = max(range(len(got)), key=lambda j: (got[j], -j))
+            per_byte = [g / _bytes(c) for g, c in zip(got, ex.choices, strict=True)]
+            best_norm = max(range(len(got)), key=lambda j: (per_byte[j], -j))
+            acc += best == ex.answer
+            acc_norm += best_norm == ex.answer
+            chance += 1 / len(ex.choices)
+            n_mc += 1
+            nats -= got[ex.answer]
+            n_bytes += _bytes(ex.choices[ex.answer])
+        else:
+            nats -= ll[k]
+            k += 1
+            n_bytes += _bytes(ex.continuation)
+    out = {"examples": len(examples), "bpb": nats / math.log(2) / n_bytes}
+    if n_mc:
+        out.update(acc=acc / n_mc, acc_norm=acc_norm / n_mc, chance=chance / n_mc, multiple_choice=n_mc)
+    return out
+
+
+def model_loglik(params, model_state, m, tok, batch: int = 8) -> Callable[[list[tuple[str, str]]], list[float]]:
+    """``loglik`` from a moelab model: each context starts as a document does (after the bos where the
+    tokenizer puts one, else after the end-of-text that ends the document before), context and
+    continuation are tokenized apart (``add_special_tokens`` off), and the continuation's tokens are
+    scored. A pair longer than the model's context keeps its last ``seq_len + 1`` tokens (the context
+    is cut at its start). Scored with dropless dispatch, so a row's padding, or the other rows of its
+    batch, cannot change it (capacity would make them compete for slots)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moelab.model.transformer import ce_terms, forward
+
+    start = tok.bos if tok.add_bos and tok.bos is not None else tok.eos
+    width = m.seq_len
+
+    @jax.jit
+    def rows(params, state, inputs, targets, mask):
+        hidden, _, _ = forward(params, state, inputs, m, "dropless")
+        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk)
+        return jnp.sum((tgt - lse) * mask, axis=1)
+
+    def encode(text: str) -> list[int]:
+        return tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def loglik(pairs: list[tuple[str, str]]) -> list[float]:
+        seqs = []
+        for context, continuation in pairs:
+            target = encode(continuation)
+            ids = ([start] + encode(context) + target)[-(width + 1) :]
+            seqs.append((ids, min(len(target), len(ids) - 1)))
+        out: list[float] = []
+        for i in range(0, len(seqs), batch):
+            chunk = seqs[i : i + batch]
+            inputs, targets = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
+            mask = np.zeros((batch, width), np.float32)
+            for r, (ids, n) in enumerate(chunk):
+                k = len(ids) - 1
+                inputs[r, :k], targets[r, :k], mask[r, k - n : k] = ids[:-1], ids[1:], 1.0
+            out.extend(np.asarray(rows(params, model_state, inputs, targets, mask))[: len(chunk)].tolist())
+        return out
+
+    return loglik
+
+
+def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progress: bool = True) -> dict:
+    """`moelab eval RUN --tasks FILE...`: each task file scored by the run's newest (or a given)
+    checkpoint with the run's own tokenizer; saved to evals/step_N-tasks.json."""
+    from moelab.data.tokenizer import load_saved
+    from moelab.progress import say
+    from moelab.train.evaluate import restored
+
+    tasks = {Path(f).stem: load_task(f) for f in files}  # every file refused before anything loads
+    run, cfg, store, state, step = restored(run_dir, step, progress)
+    loglik = model_loglik(state["params"], state["model_state"], cfg.model, load_saved(store.path))
+    res = {"step": step, "tasks": {}}
+    for name, examples in tasks.items():
+        say(f"scoring {name}: {len(examples)} examples", progress)
+        res["tasks"][name] = score(examples, loglik)
+    (run.path / "evals").mkdir(exist_ok=True)
+    (run.path / "evals" / f"step_{step:08d}-tasks.json").write_text(json.dumps(res, indent=1))
+    return res

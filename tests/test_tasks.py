@@ -1,0 +1,122 @@
+"""Task evaluations (moelab.eval.tasks): the format's refusals and the metrics against a hand-computed
+case, from log-likelihoods set by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from moelab.errors import UsageError
+from moelab.eval.tasks import Example, load_task, score
+
+# log-likelihoods (nats) set by hand for each (context, continuation)
+LL = {
+    ("2+2=", "4"): -1.0, ("2+2=", "22"): -2.5, ("2+2=", "5"): -3.0,          # right: "4" (acc and acc_norm)
+    ("grass is", " green"): -5.5, ("grass is", " blue"): -5.0,               # raw: blue; per byte: green
+    ("def f(", "x):"): -2.0,                                                 # a continuation
+}  # fmt: skip
+
+
+def test_metrics_against_a_hand_computed_case():
+    exs = [
+        Example("2+2=", ("4", "22", "5"), 0),
+        Example("grass is", (" green", " blue"), 0),
+        Example("def f(", continuation="x):"),
+    ]
+    res = score(exs, lambda pairs: [LL[p] for p in pairs])
+    # acc: example 1 right (-1.0 best), example 2 wrong (" blue" -5.0 beats " green" -5.5): 1/2
+    assert res["acc"] == 0.5
+    # acc_norm, per byte: ex 1 -1/1, -2.5/2, -3/1 -> "4"; ex 2 -5.5/6 = -0.92 beats -5/5 -> " green": 2/2
+    assert res["acc_norm"] == 1.0
+    assert res["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    # bits per byte over the right answers and the continuation: (1 + 5.5 + 2) nats over 1 + 6 + 3 bytes
+    assert res["bpb"] == pytest.approx(8.5 / math.log(2) / 10)
+    assert res["examples"] == 3 and res["multiple_choice"] == 2
+
+
+def test_acc_norm_differs_from_acc_where_length_matters():
+    exs = [Example("q", ("a", "bbbbbbbbbb"), 1)]
+    res = score(exs, lambda pairs: [-1.0, -5.0])  # the long choice: lower in total, higher per byte
+    assert res["acc"] == 0.0 and res["acc_norm"] == 1.0
+
+
+def test_ties_go_to_the_first_choice():
+    exs = [Example("q", ("a", "b", "c"), 0), Example("q", ("a", "b", "c"), 2)]
+    res = score(exs, lambda pairs: [0.0] * len(pairs))
+    assert res["acc"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "line,msg",
+    [
+        ("not json", "not a JSON object"),
+        (json.dumps({"choices": ["a", "b"], "answer": 0}), 'needs a string "context"'),
+        (json.dumps({"context": "c", "choices": ["a"], "answer": 0}), "two or more non-empty strings"),
+        (json.dumps({"context": "c", "choices": ["a", "b"], "answer": 2}), "index of the right choice, 0..1"),
+        (json.dumps({"context": "c", "choices": ["a", "b"], "answer": True}), "index of the right choice"),
+        (json.dumps({"context": "c"}), 'or a non-empty "continuation"'),
+    ],
+)
+def test_bad_task_lines_are_refused_in_one_line(tmp_path, line, msg):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"context": "ok", "continuation": "x"}) + "\n" + line + "\n")
+    with pytest.raises(UsageError, match=msg) as err:
+        load_task(path)
+    assert f"{path}:2" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_task_file_loads(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "answer": 1}) + "\n\n"
+                    + json.dumps({"context": "d", "continuation": "e"}) + "\n")  # fmt: skip
+    assert load_task(path) == [Example("a", ("b", "c"), 1), Example("d", continuation="e")]
+    with pytest.raises(UsageError, match="no such task file"):
+        load_task(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(UsageError, match="holds no example"):
+        load_task(tmp_path / "empty.jsonl")
+
+
+class _ByteTok:
+    """A stand-in tokenizer: one id per UTF-8 byte (+ 2), eos 1, no bos."""
+
+    eos, bos, add_bos = 1, None, False
+
+    class tokenizer:  # noqa: N801 - the shape of a tokenizers.Tokenizer's encode
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            import types
+
+            return types.SimpleNamespace(ids=[b + 2 for b in text.encode("utf-8")])
+
+
+def test_model_loglik_equals_the_log_softmax_of_the_full_forward():
+    """The batched, padded, truncated scoring against each pair's log-probabilities read one by one
+    from the model's whole log-softmax: pairs of several lengths, one longer than the context (cut at
+    its start), batches of 2 with a short last batch."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from conftest import MICRO
+    from moelab.config import load_config
+    from moelab.eval.tasks import model_loglik
+    from moelab.model import init_params, init_state
+    from moelab.model.transformer import forward, logits_of
+
+    m = load_config("tiny", MICRO).model  # seq_len 32, vocab 512
+    params, state = init_params(m, jax.random.PRNGKey(3)), init_state(m)
+    pairs = [("ab", "cd"), ("hello there", " you"), ("x" * 40, "yz"), ("q", "r")]
+    got = model_loglik(params, state, m, _ByteTok, batch=2)(pairs)
+    fwd = jax.jit(lambda p, st, x: forward(p, st, x, m, "dropless"))
+    for (ctx, cont), value in zip(pairs, got, strict=True):
+        ids = ([1] + [b + 2 for b in ctx.encode()] + [b + 2 for b in cont.encode()])[-(m.seq_len + 1) :]
+        row = jnp.zeros((1, m.seq_len), jnp.int32).at[0, : len(ids) - 1].set(jnp.asarray(ids[:-1]))  # one shape
+        hidden, _, _ = fwd(params, state, row)
+        logp = jax.nn.log_softmax(logits_of(params, hidden)[0].astype(jnp.float32), axis=-1)
+        n = len(cont.encode())
+        want = sum(float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1 - n, len(ids) - 1))
+        assert value == pytest.approx(want, abs=1e-4)
+    assert np.isfinite(got).all()
