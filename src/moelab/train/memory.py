@@ -43,7 +43,6 @@ FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "r
 HOST_INPUTS = "saved_inputs"  # the per-micro-batch row that lives in host memory under train.offload
 GB = 1e9
 ROWS = FIXED_ROWS + ("activations", "all_to_all", "logits_and_loss", "inputs")  # device rows
-HOST_ROWS = ("optimizer", HOST_INPUTS)
 
 
 def _itemsize(dtype) -> int:
@@ -106,9 +105,9 @@ def on_host(aval) -> bool:
     return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
-def residual_bytes(f, *args, host: bool = False) -> int:
-    """Bytes of what the backward pass of ``f`` keeps in device memory (``host``: in host memory)."""
-    return sum(math.prod(a.shape) * _itemsize(a.dtype) for a in residuals(f, *args) if on_host(a) == host)
+def residual_bytes(f, *args) -> int:
+    """Bytes of what the backward pass of ``f`` keeps in device memory (offloaded residuals left out)."""
+    return sum(math.prod(a.shape) * _itemsize(a.dtype) for a in residuals(f, *args) if not on_host(a))
 
 
 def _traced_model(cfg: Config, expert: int):
@@ -280,7 +279,7 @@ def for_target(cfg: Config, dev) -> tuple[Config, str]:
     (cuDNN cannot be traced on a CPU): both keep q, k, v, the output and the softmax statistics for
     the backward pass, no [s, s] probabilities."""
     from moelab.config import resolve_dtype
-    from moelab.model.transformer import CUDNN_DTYPES
+    from moelab.model.transformer import CUDNN_DTYPES, FLASH_MIN_SEQ, attention_impl
 
     backend = None if dev is None else ("tpu" if dev.name.startswith("TPU") else "gpu")
     cfg = resolve_dtype(cfg, backend)
@@ -288,9 +287,11 @@ def for_target(cfg: Config, dev) -> tuple[Config, str]:
     fused = m.attention_impl == "cudnn" or (backend == "gpu" and m.attention_impl == "auto" and m.dtype in CUDNN_DTYPES)
     if fused:
         return load_config(cfg, ["model.attention_impl=flash"]), "fused (cuDNN), counted as moelab's flash path"
-    from moelab.model.transformer import attention_impl
-
-    return cfg, attention_impl(m, m.seq_len) if backend is None else ("flash" if m.seq_len >= 2048 else "blocked")
+    if backend is None:
+        return cfg, attention_impl(m, m.seq_len)
+    return cfg, m.attention_impl if m.attention_impl != "auto" else (
+        "flash" if m.seq_len >= FLASH_MIN_SEQ else "blocked"
+    )
 
 
 def _fixed(cfg: Config, state, sizes: dict[str, int], fsdp: bool, whole: int, n_micro: int) -> tuple[dict, dict]:
