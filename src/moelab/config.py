@@ -35,6 +35,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 OFFLOADS = ("none", "optimizer", "layer_inputs", "all")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 REMATS = ("none", "layer", "each_layer")
+ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")  # moelab.model.layers.rope_frequencies
 
 BYTE_LEVEL_BASE = 257  # a byte-level BPE's first tokens: 256 bytes and end-of-text
 
@@ -53,6 +54,11 @@ class ModelConfig:
     # attention
     rope_fraction: float = 1.0  # fraction of head_dim that is rotated (1.0 or 0.5 in practice)
     rope_theta: float = 10000.0
+    # RoPE for a context longer than the one it was trained at (rope_original_len < seq_len): none, pi
+    # (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). A
+    # long-context phase (data.phase_seq_lens) sets the original length itself
+    rope_scaling: str = "yarn"
+    rope_original_len: int = 0  # 0 = seq_len: no scaling
     sliding_window: int = 0  # 0 = every layer global
     global_every: int = 4  # with a window: every n-th layer (and the last) is global
     # experts
@@ -195,6 +201,7 @@ class ModelConfig:
             "logit_z_loss",
             "bias_rate",
             "ce_chunk",
+            "rope_original_len",
         ):
             need((n,), getattr(m, n) >= 0, f"must be >= 0, got {getattr(m, n)}")
         for n, allowed in (
@@ -208,6 +215,7 @@ class ModelConfig:
             ("compute_dtype", DTYPES),
             ("matmul_precision", MATMUL_PRECISIONS),
             ("remat", REMATS),
+            ("rope_scaling", ROPE_SCALINGS),
             ("eval_dispatch", ("",) + DISPATCHES),
         ):
             need(
@@ -274,6 +282,11 @@ class ModelConfig:
             f"{m.sliding_window} is larger than model.seq_len={m.seq_len}",
         )
         need(
+            ("rope_original_len", "seq_len"),
+            m.rope_original_len <= m.seq_len,
+            f"{m.rope_original_len} is longer than model.seq_len={m.seq_len}; it is the shorter context RoPE was trained at",
+        )
+        need(
             ("shared_dim", "n_shared"),
             m.n_shared == 0 or m.shared_dim > 0,
             f"must be > 0 when model.n_shared={m.n_shared}",
@@ -332,6 +345,9 @@ class TrainConfig:
     async_checkpoint: bool = True
     # where checkpoints go: "" = the run's ckpt/ folder; else any path Orbax's file layer takes (gs://...)
     checkpoint_dir: str = ""
+    # tasks scored by log-likelihood at every evaluation (moelab.eval.tasks): built-in names
+    # (moelab.eval.builtin: next_line, brackets, defined_name) or JSON-lines files
+    task_evals: tuple[str, ...] = ()
 
     def check(self) -> list[str]:
         """Problems with the training fields: one line each."""
@@ -384,6 +400,8 @@ class TrainConfig:
             e.append(
                 f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
             )
+        if not all(isinstance(x, str) and x.strip() for x in t.task_evals):
+            e.append(f"train.task_evals: a list of built-in task names or task files, got {list(t.task_evals)!r}")
         if t.micro_batch < 0:
             e.append(f"train.micro_batch: must be >= 0 (0 = the whole batch), got {t.micro_batch}")
         elif t.micro_batch and t.batch_size > 0 and t.batch_size % t.micro_batch:
@@ -424,6 +442,11 @@ class DataConfig:
     # a single mapping applies to every phase); phases start at these fractions of the run
     mixture: tuple[dict[str, float], ...] = ()
     phase_starts: tuple[float, ...] = (0.0, 0.8)
+    # the sequence length of each phase (empty = model.seq_len throughout; one value = every phase): a
+    # long-context phase. The batch's tokens are held (train.batch_size counts sequences of model.seq_len,
+    # the longest), so a shorter phase holds more sequences; RoPE is scaled by length / the first
+    # length in a longer phase (model.rope_scaling), and the model samples and exports at the last
+    phase_seq_lens: tuple[int, ...] = ()
     epoch_cap: float = 4.0  # most passes over any domain's training tokens
     epoch_cap_action: str = "refuse"  # refuse | warn
 
@@ -554,6 +577,31 @@ class Config:
         if cfg.mesh.expert > 1:
             e.extend(cfg._check_ep())
         return e
+
+    def check_context(self) -> list[str]:
+        """data.phase_seq_lens against the phases and model.seq_len: one line each."""
+        lens, m = list(self.data.phase_seq_lens), self.model
+        phases = len(self.data.phase_starts)
+        if not lens or m.seq_len <= 0:
+            return []
+        where = f"data.phase_seq_lens: {lens}"
+        if len(lens) not in (1, phases):
+            return [f"{where}: give 1 length or one per phase ({phases} data.phase_starts)"]
+        if any(x <= 0 for x in lens):
+            return [f"{where}: every length must be > 0"]
+        if any(b < a for a, b in zip(lens, lens[1:], strict=False)):
+            return [f"{where}: lengths must not fall from phase to phase (a long-context phase comes late)"]
+        if max(lens) != m.seq_len:
+            return [
+                f"{where}: the longest must equal model.seq_len={m.seq_len} (the model's context); set one or the other"
+            ]
+        if bad := [x for x in lens if m.seq_len % x or x % lens[0]]:
+            return [
+                f"{where}: {bad[0]} must divide model.seq_len={m.seq_len} and be a multiple of the first length {lens[0]}"
+            ]
+        if m.rope_original_len:
+            return [f"model.rope_original_len: {m.rope_original_len} with {where}: the phases set it; leave it 0"]
+        return []
 
     def _check_ep(self) -> list[str]:
         """Under expert parallelism the transport does the dispatch: a setting it would not honour is refused."""
@@ -731,6 +779,10 @@ HASH_NEUTRAL = {
     ("train", "offload"): "none",  # where the state lives changes no number (tested equal)
     ("train", "async_checkpoint"): True,
     ("train", "checkpoint_dir"): "",
+    ("data", "phase_seq_lens"): [],
+    ("model", "rope_scaling"): "yarn",  # no effect without a longer context than RoPE's original
+    ("model", "rope_original_len"): 0,
+    ("train", "task_evals"): [],  # evaluated, never trained on
 }  # spill_choices changes what spill does: it is hashed
 
 
@@ -825,10 +877,43 @@ def load_config(spec: str | Path | dict | Config, overrides: Sequence[str] = ())
 
 
 def validate(cfg: Config) -> Config:
-    errors = cfg.model.check() + cfg.train.check() + cfg.data.check() + cfg.check_mesh()
+    errors = cfg.model.check() + cfg.train.check() + cfg.data.check() + cfg.check_mesh() + cfg.check_context()
     if errors:
         raise ConfigError(errors)
     return cfg
+
+
+def phase_seq_lens(cfg: Config) -> tuple[int, ...]:
+    """The sequence length of each phase of the run (data.phase_seq_lens, one per data.phase_starts)."""
+    lens = tuple(cfg.data.phase_seq_lens) or (cfg.model.seq_len,)
+    return lens * len(cfg.data.phase_starts) if len(lens) == 1 else lens
+
+
+def phase_config(cfg: Config, phase: int) -> Config:
+    """The config a phase's steps run: model.seq_len the phase's length, RoPE scaled from the first
+    phase's length when longer, and train.batch_size (and micro_batch) the sequences that hold the
+    batch's tokens (train.batch_size x model.seq_len) at that length."""
+    lens = phase_seq_lens(cfg)
+    length, first = lens[phase], lens[0]
+    if length == cfg.model.seq_len and first == length:
+        return cfg
+    per = cfg.model.seq_len // length
+    t = dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size * per, micro_batch=cfg.train.micro_batch * per)
+    m = dataclasses.replace(cfg.model, seq_len=length, rope_original_len=first if length > first else 0)
+    return dataclasses.replace(cfg, model=m, train=t)
+
+
+def final_model(cfg: Config) -> ModelConfig:
+    """The model as trained at the end of the run (the last phase's context and RoPE): what sampling,
+    task evaluations and the export use."""
+    return phase_config(cfg, len(phase_seq_lens(cfg)) - 1).model
+
+
+def rope_scaling_of(m: ModelConfig) -> tuple[str, float, int]:
+    """(kind, factor, original length) of the model's RoPE (moelab.model.layers.rope_frequencies)."""
+    if 0 < m.rope_original_len < m.seq_len:
+        return m.rope_scaling, m.seq_len / m.rope_original_len, m.rope_original_len
+    return "none", 1.0, m.seq_len
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

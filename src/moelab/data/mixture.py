@@ -50,11 +50,23 @@ class Mixture:
     phase_steps: tuple[int, ...]  # first step of each phase
     weights: np.ndarray  # [phases, domains], rows sum to 1
     epochs: dict[str, float]  # passes over each domain's training windows the planned run reads
+    # each phase's sequence length (data.phase_seq_lens); empty = every step's rows are the caller's
+    # seq_len. A phase of length L holds batch_size * seq_len / L rows (the batch's tokens held)
+    lengths: tuple[int, ...] = ()
     # counts of draws remembered between calls, per (seed, batch size); never compared or copied
     _counters: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def phase_at(self, step: int) -> int:
         return int(np.searchsorted(np.asarray(self.phase_steps), step, side="right") - 1)
+
+    def shape_at(self, step: int, batch_size: int, seq_len: int) -> tuple[int, int, int]:
+        """Step ``step``'s (rows, sequence length, units per row): ``batch_size`` rows of ``seq_len``
+        tokens hold the batch, cut at the phase's length; a row counts length / the first length units
+        of a domain's draws (the first phase's rows count 1)."""
+        if not self.lengths:
+            return batch_size, seq_len, 1
+        length = self.lengths[self.phase_at(step)]
+        return batch_size * seq_len // length, length, length // self.lengths[0]
 
     def shares(self, steps: int) -> dict[str, float]:
         """Each domain's share of the rows drawn over a run of ``steps`` (phases by their length): the
@@ -99,9 +111,11 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
         phase_steps = phase_boundaries(d.phase_starts, cfg.train)
     else:
         phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)
-    mix = Mixture(domains, phase_steps, table, {})
-    drawn = _counter(mix, seed, cfg.train.batch_size).before(steps)  # also remembers marks for a resume
-    windows = (sizes.astype(np.int64) - 1) // seq_len
+    lengths = tuple(d.phase_seq_lens) * (phases if len(d.phase_seq_lens) == 1 else 1)
+    mix = Mixture(domains, phase_steps, table, {}, lengths if len(set(lengths)) > 1 else ())
+    drawn = _counter(mix, seed, cfg.train.batch_size, seq_len).before(steps)  # also remembers marks for a resume
+    # passes in units of the first phase's windows (a longer phase's row counts as several)
+    windows = (sizes.astype(np.int64) - 1) // (mix.lengths[0] if mix.lengths else seq_len)
     mix.epochs.update({name: float(drawn[i] / windows[i]) for i, name in enumerate(domains)})
     over = {k: v for k, v in mix.epochs.items() if v > d.epoch_cap}
     if over:
@@ -117,39 +131,42 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
 
 
 def batch_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int):
-    """Batch ``step``: tokens [batch, seq_len + 1] int32 and each row's domain index [batch]."""
+    """Batch ``step``: tokens [rows, length + 1] int32 and each row's domain index [rows]: ``batch_size``
+    rows of ``seq_len``, or the same tokens in rows of the step's phase length (``Mixture.shape_at``)."""
     return batch_rows(store, mix, seed, step, batch_size, seq_len)
 
 
 def batch_rows(
     store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int, lo: int = 0, hi=None
 ):
-    """Rows [lo, hi) of batch ``step`` (tokens [hi - lo, seq_len + 1]) and every row's domain index.
+    """Rows [lo, hi) of batch ``step`` (tokens [hi - lo, length + 1]) and every row's domain index.
 
     Each process of a job builds only the rows its devices hold: every row's domain and its place in
     its domain's pass are worked out for the whole batch (cheap, and the same in every process), and
     only rows lo..hi are shuffled into windows and copied out of the streams."""
-    hi = batch_size if hi is None else hi
-    domain_idx, k = _counter(mix, seed, batch_size).step(step)
-    out = np.empty((hi - lo, seq_len + 1), np.int32)
+    rows, length, _ = mix.shape_at(step, batch_size, seq_len)
+    hi = rows if hi is None else hi
+    domain_idx, k = _counter(mix, seed, batch_size, seq_len).step(step)
+    out = np.empty((hi - lo, length + 1), np.int32)
     mine_d, mine_k = domain_idx[lo:hi], k[lo:hi]
     for di in np.unique(mine_d):
         name = mix.domains[di]
         stream = store.stream(name, "train")
-        n_windows = (len(stream) - 1) // seq_len
-        rows = np.flatnonzero(mine_d == di)
-        starts = window_of(seed, name, mine_k[rows], n_windows) * seq_len
-        for r, start in zip(rows, starts.tolist(), strict=True):
-            out[r] = stream[start : start + seq_len + 1]
+        n_windows = (len(stream) - 1) // length
+        rows_of = np.flatnonzero(mine_d == di)
+        starts = window_of(seed, name, mine_k[rows_of], n_windows) * length
+        for r, start in zip(rows_of, starts.tolist(), strict=True):
+            out[r] = stream[start : start + length + 1]
     return out, domain_idx
 
 
 def epochs_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int) -> dict[str, float]:
-    """Passes over each domain's training windows read by the batches before ``step``."""
-    drawn = _counter(mix, seed, batch_size).before(step)
+    """Passes over each domain's training windows read by the batches before ``step`` (windows of the
+    first phase's length)."""
+    drawn = _counter(mix, seed, batch_size, seq_len).before(step)
+    unit = mix.lengths[0] if mix.lengths else seq_len
     return {
-        name: float(drawn[i] / ((len(store.stream(name, "train")) - 1) // seq_len))
-        for i, name in enumerate(mix.domains)
+        name: float(drawn[i] / ((len(store.stream(name, "train")) - 1) // unit)) for i, name in enumerate(mix.domains)
     }
 
 
@@ -179,9 +196,10 @@ def permute(i, n: int, key) -> np.ndarray:
     return x.astype(np.int64)
 
 
-def draws(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int) -> np.ndarray:
-    """Each domain's number of rows in the batches of steps [lo, hi)."""
-    return _count(mix, seed, batch_size, lo, hi)
+def draws(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int, seq_len: int = 0) -> np.ndarray:
+    """Each domain's number of rows in the batches of steps [lo, hi) (with phase lengths, in units of
+    the first phase's rows: ``Mixture.shape_at``)."""
+    return _count(mix, seed, batch_size, seq_len, lo, hi)
 
 
 # ---------------------------------------------------------------------------------------- internals
@@ -266,18 +284,19 @@ def _per_block(batch_size: int) -> int:
     return max(1, _BLOCK // max(batch_size, 1))
 
 
-def _count(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int, marks: dict | None = None, base=None):
-    """Each domain's rows in steps [lo, hi), hashed a block of steps at a time. With ``marks``, the
-    running total (from ``base``, the count before ``lo``) is kept at every block boundary."""
+def _count(mix: Mixture, seed: int, batch_size: int, seq_len: int, lo: int, hi: int, marks=None, base=None):
+    """Each domain's draws (units) in steps [lo, hi), hashed a block of steps at a time. With ``marks``,
+    the running total (from ``base``, the count before ``lo``) is kept at every block boundary."""
     per_block = _per_block(batch_size)
     total = np.zeros(len(mix.domains), np.int64)
     for a, b, phase in _segments(mix, lo, hi):
         cuts = _cuts(mix.weights[phase])
+        rows, _, units = mix.shape_at(a, batch_size, seq_len)
         while a < b:
             end = min(b, (a // per_block + 1) * per_block)  # blocks aligned to multiples of per_block
-            z = _hash_rows(seed, np.arange(a, end, dtype=np.uint64), batch_size)
+            z = _hash_rows(seed, np.arange(a, end, dtype=np.uint64), rows)
             below = [np.count_nonzero(z < c) for c in cuts]
-            total[: len(cuts) + 1] += np.diff([0, *below, z.size])
+            total[: len(cuts) + 1] += np.diff([0, *below, z.size]) * units
             a = end
             if marks is not None and end % per_block == 0:
                 marks[end] = base + total
@@ -285,12 +304,13 @@ def _count(mix: Mixture, seed: int, batch_size: int, lo: int, hi: int, marks: di
 
 
 class _Counter:
-    """Rows each domain drew before a step, for one (mixture, seed, batch size): the last step asked
-    for (and the next), and marks every block of steps, so sequential steps cost one batch each and
-    a jump costs the steps from the nearest known point."""
+    """Draws each domain made before a step, for one (mixture, seed, batch size, length): the last step
+    asked for (and the next), and marks every block of steps, so sequential steps cost one batch each
+    and a jump costs the steps from the nearest known point. A draw is a row of the first phase's
+    length; a row of a longer phase counts as length / first length draws."""
 
-    def __init__(self, mix: Mixture, seed: int, batch_size: int):
-        self.mix, self.seed, self.batch = mix, seed, batch_size
+    def __init__(self, mix: Mixture, seed: int, batch_size: int, seq_len: int):
+        self.mix, self.seed, self.batch, self.seq_len = mix, seed, batch_size, seq_len
         self.known = {0: np.zeros(len(mix.domains), np.int64)}  # step -> draws before it
         self.last = None  # (step, its domains, k)
         self.lock = threading.Lock()
@@ -304,24 +324,27 @@ class _Counter:
             return self.known[step]
         near = min(self.known, key=lambda s: (abs(s - step), s))
         base = self.known[near]
+        args = (self.mix, self.seed, self.batch, self.seq_len)
         if near < step:  # on from there, remembering the counts at each block's end on the way
-            return base + _count(self.mix, self.seed, self.batch, near, step, self.known, base)
-        return base - _count(self.mix, self.seed, self.batch, step, near)
+            return base + _count(*args, near, step, self.known, base)
+        return base - _count(*args, step, near)
 
     def step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Step ``step``'s row domains and each row's draw number k in its domain."""
+        """Step ``step``'s row domains and each row's draw number k in its domain (counted in the
+        step's own rows: the draws before it over the row's units, rounded up, then one per row)."""
         with self.lock:
             if self.last is not None and self.last[0] == step:
                 return self.last[1].copy(), self.last[2].copy()
             before = self._before(step)
-            z = _hash_rows(self.seed, np.array([step], np.uint64), self.batch)[0]
+            rows, _, units = self.mix.shape_at(step, self.batch, self.seq_len)
+            z = _hash_rows(self.seed, np.array([step], np.uint64), rows)[0]
             domains = _domains_of(z, _cuts(self.mix.weights[self.mix.phase_at(step)]))
-            k = np.empty(self.batch, np.int64)
+            k = np.empty(rows, np.int64)
             after = before.copy()
             for d in np.unique(domains):
-                rows = np.flatnonzero(domains == d)
-                k[rows] = before[d] + np.arange(len(rows))
-                after[d] += len(rows)
+                mine = np.flatnonzero(domains == d)
+                k[mine] = -(-before[d] // units) + np.arange(len(mine))
+                after[d] += len(mine) * units
             if self.last is not None:  # keep the marks; forget the previous step's own points
                 for s in (self.last[0], self.last[0] + 1):
                     if s % _per_block(self.batch) and s in self.known:
@@ -331,9 +354,9 @@ class _Counter:
             return domains.copy(), k.copy()
 
 
-def _counter(mix: Mixture, seed: int, batch_size: int) -> _Counter:
-    key = (int(seed), int(batch_size))
+def _counter(mix: Mixture, seed: int, batch_size: int, seq_len: int = 0) -> _Counter:
+    key = (int(seed), int(batch_size), int(seq_len) if mix.lengths else 0)
     got = mix._counters.get(key)
     if got is None:
-        got = mix._counters.setdefault(key, _Counter(mix, seed, batch_size))
+        got = mix._counters.setdefault(key, _Counter(mix, seed, batch_size, seq_len))
     return got

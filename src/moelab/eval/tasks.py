@@ -20,6 +20,7 @@ continuation's tokens after its context, for a list of (context, continuation) p
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -37,20 +38,21 @@ class Example:
     continuation: str = ""
 
 
-def load_task(path: str | Path) -> list[Example]:
-    """The examples of a task file; a bad line is refused in one line naming the file and line."""
+def load_task(path: str | Path, field: str = "--tasks") -> list[Example]:
+    """The examples of a task file; a bad line is refused in one line naming the file and line
+    (``field``: what named the file). Other keys of a line (such as "meta") are kept out of scoring."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"--tasks: {path}: no such task file (JSON lines; see moelab.eval.tasks)")
+        raise UsageError(f"{field}: {path}: no such task file (JSON lines; see moelab.eval.tasks)")
     out = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
-        raise UsageError(f"--tasks: {path}: not UTF-8 text (byte {exc.start})") from None
+        raise UsageError(f"{field}: {path}: not UTF-8 text (byte {exc.start})") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"--tasks: {path}:{i}"
+        where = f"{field}: {path}:{i}"
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -69,7 +71,7 @@ def load_task(path: str | Path) -> list[Example]:
         else:
             raise UsageError(f'{where}: give "choices" and "answer", or a non-empty "continuation"')
     if not out:
-        raise UsageError(f"--tasks: {path}: holds no example")
+        raise UsageError(f"{field}: {path}: holds no example")
     return out
 
 
@@ -119,20 +121,11 @@ def model_loglik(params, model_state, m, tok, batch: int = 8) -> Callable[[list[
     scored. A pair longer than the model's context keeps its last ``seq_len + 1`` tokens (the context
     is cut at its start). Scored with dropless dispatch, so a row's padding, or the other rows of its
     batch, cannot change it (capacity would make them compete for slots)."""
-    import jax
-    import jax.numpy as jnp
     import numpy as np
-
-    from moelab.model.transformer import ce_terms, forward
 
     start = tok.bos if tok.add_bos and tok.bos is not None else tok.eos
     width = m.seq_len
-
-    @jax.jit
-    def rows(params, state, inputs, targets, mask):
-        hidden, _, _ = forward(params, state, inputs, m, "dropless")
-        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk)
-        return jnp.sum((tgt - lse) * mask, axis=1)
+    rows = _row_scores(m)
 
     def encode(text: str) -> list[int]:
         return tok.tokenizer.encode(text, add_special_tokens=False).ids
@@ -157,16 +150,52 @@ def model_loglik(params, model_state, m, tok, batch: int = 8) -> Callable[[list[
     return loglik
 
 
+@functools.lru_cache(maxsize=8)
+def _row_scores(m):
+    """Each row's summed log-probability of its masked targets, jitted once per model config (an
+    in-loop evaluation reuses it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.model.transformer import ce_terms, forward
+
+    @jax.jit
+    def rows(params, state, inputs, targets, mask):
+        hidden, _, _ = forward(params, state, inputs, m, "dropless")
+        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk)
+        return jnp.sum((tgt - lse) * mask, axis=1)
+
+    return rows
+
+
+def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list[Example]]:
+    """Tasks by name: a built-in task's name (moelab.eval.builtin) or a JSON-lines file; every one is
+    read (and a bad one refused) before anything is scored."""
+    out = {}
+    for spec in specs:
+        path = Path(spec)
+        if not path.exists() and "/" not in spec and not spec.endswith(".jsonl"):
+            from moelab.eval.builtin import BUILTIN, builtin_task
+
+            if spec not in BUILTIN:
+                raise UsageError(f"{field}: {spec!r} is neither a task file nor a built-in task ({', '.join(BUILTIN)})")
+            path = builtin_task(spec)
+        out[path.stem if path.exists() and spec != path.stem else spec] = load_task(path, field)
+    return out
+
+
 def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progress: bool = True) -> dict:
     """`moelab eval RUN --tasks FILE...`: each task file scored by the run's newest (or a given)
     checkpoint with the run's own tokenizer; saved to evals/step_N-tasks.json."""
+    from moelab.config import final_model
     from moelab.data.tokenizer import load_saved
     from moelab.progress import say
     from moelab.train.evaluate import restored
 
-    tasks = {Path(f).stem: load_task(f) for f in files}  # every file refused before anything loads
+    tasks = load_tasks(files)  # every file refused before anything loads
     run, cfg, store, state, step = restored(run_dir, step, progress)
-    loglik = model_loglik(state["params"], state["model_state"], cfg.model, load_saved(store.path))
+    # the model as it ends its run: the last phase's context and RoPE
+    loglik = model_loglik(state["params"], state["model_state"], final_model(cfg), load_saved(store.path))
     res = {"step": step, "tasks": {}}
     for name, examples in tasks.items():
         say(f"scoring {name}: {len(examples)} examples", progress)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moelab.config import ModelConfig
+from moelab.config import ModelConfig, rope_scaling_of
 from moelab.errors import UsageError
 from moelab.model.layers import group_kv, rms_norm, rope
 from moelab.model.moe import moe_block
@@ -51,8 +51,8 @@ def _attend(p: dict, x: jax.Array, positions: jax.Array, cache: dict, m: ModelCo
     q = (x @ p["wq"]).reshape(b, n, heads, hd)
     k = (x @ group_kv(p["wk"], m.kv_heads_alloc, kv)).reshape(b, n, kv, hd)
     v = (x @ group_kv(p["wv"], m.kv_heads_alloc, kv)).reshape(b, n, kv, hd)
-    q = rope(rms_norm(q, eps=m.norm_eps), positions, m.rope_fraction, m.rope_theta)
-    k = rope(rms_norm(k, eps=m.norm_eps), positions, m.rope_fraction, m.rope_theta)
+    q = rope(rms_norm(q, eps=m.norm_eps), positions, m.rope_fraction, m.rope_theta, rope_scaling_of(m))
+    k = rope(rms_norm(k, eps=m.norm_eps), positions, m.rope_fraction, m.rope_theta, rope_scaling_of(m))
     keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
     values = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
     key_pos = jnp.concatenate([cache["pos"], positions])

@@ -9,6 +9,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
@@ -20,15 +21,57 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6) -
     return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, fraction: float = 1.0, theta: float = 10000.0) -> jax.Array:
-    """Rotate the first ``fraction`` of each head's dims (half-split pairing). x: [b, s, h, hd]."""
+ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp: rotations over the original context (Peng et al. 2023)
+
+
+def rope_frequencies(half: int, theta: float, scaling: tuple = ("none", 1.0, 0)) -> tuple[np.ndarray, float]:
+    """The rotary angular frequencies (``half`` of them, float64) and the factor cos and sin are
+    multiplied by, for a context ``s`` times the original ``L0``: ``scaling = (kind, s, L0)``.
+
+    With f_i = theta^(-i/half):
+    - ``none`` (or s <= 1): f_i, factor 1;
+    - ``pi`` (position interpolation, Chen et al. 2023): f_i / s;
+    - ``ntk`` (NTK-aware): theta is raised to theta * s^(rot / (rot - 2)), rot = 2 * half;
+    - ``yarn`` (Peng et al. 2023): r_i = L0 * f_i / (2 pi) rotations over the original context,
+      g_i = clip((r_i - 1) / (32 - 1), 0, 1); f_i * ((1 - g_i) / s + g_i) (slow dims interpolated,
+      fast ones kept), and cos and sin times 0.1 ln s + 1 (the attention temperature)."""
+    kind, s, base = scaling
+    i = np.arange(half, dtype=np.float64)
+    f = float(theta) ** (-i / half)
+    if kind == "none" or s <= 1.0:
+        return f, 1.0
+    if kind == "pi":
+        return f / s, 1.0
+    if kind == "ntk":
+        rot = 2 * half
+        return (float(theta) * s ** (rot / (rot - 2))) ** (-i / half), 1.0
+    if kind == "yarn":
+        r = base * f / (2 * np.pi)
+        g = np.clip((r - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
+        return f * ((1.0 - g) / s + g), 0.1 * float(np.log(s)) + 1.0
+    raise ValueError(f"rope scaling {kind!r}: use one of {', '.join(ROPE_SCALINGS)}")
+
+
+def rope(
+    x: jax.Array,
+    positions: jax.Array,
+    fraction: float = 1.0,
+    theta: float = 10000.0,
+    scaling: tuple = ("none", 1.0, 0),
+) -> jax.Array:
+    """Rotate the first ``fraction`` of each head's dims (half-split pairing). x: [b, s, h, hd];
+    ``positions``: [s] or [b, s]. ``scaling``: (kind, factor, original length), see ``rope_frequencies``."""
     hd = x.shape[-1]
     rot = int(hd * fraction)
     half = rot // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [s, half]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    f, mscale = rope_frequencies(half, theta, scaling)
+    freqs = jnp.asarray(f, jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [(b,) s, half]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = (jnp.cos(angles) * mscale)[:, :, None, :]
+    sin = (jnp.sin(angles) * mscale)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2, rest = x32[..., :half], x32[..., half:rot], x32[..., rot:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
@@ -221,6 +264,7 @@ def attention(
     rope_fraction: float,
     rope_theta: float,
     eps: float,
+    rope_scaling: tuple = ("none", 1.0, 0),
     query_chunks: int | None = None,
     impl: str = "blocked",
     flash_block: int = FLASH_BLOCK,
@@ -246,8 +290,8 @@ def attention(
         q, k, v = x @ wq, x @ wk, x @ wv
     q, k, v = q.reshape(b, s, n_heads, head_dim), k.reshape(b, s, n_kv, head_dim), v.reshape(b, s, n_kv, head_dim)
     pos = jnp.arange(s)
-    q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta)
-    k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta)
+    q = rope(rms_norm(q, eps=eps), pos, rope_fraction, rope_theta, rope_scaling)
+    k = rope(rms_norm(k, eps=eps), pos, rope_fraction, rope_theta, rope_scaling)
     g = n_heads // n_kv
     if impl not in (
         "blocked",

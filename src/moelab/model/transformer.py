@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moelab.config import ModelConfig
+from moelab.config import ModelConfig, rope_scaling_of
 from moelab.model.layers import attention, rms_norm
 from moelab.model.moe import moe_block
 from moelab.parallel import mesh as pmesh
@@ -140,6 +140,7 @@ def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, di
             window=0 if m.is_global(i) else m.sliding_window,
             rope_fraction=m.rope_fraction,
             rope_theta=m.rope_theta,
+            rope_scaling=rope_scaling_of(m),
             eps=m.norm_eps,
             impl=attention_impl(m, x.shape[1]),
             fused_qkv=pmesh.active() is None,

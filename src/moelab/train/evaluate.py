@@ -126,8 +126,10 @@ class Evaluator:
         return out
 
 
-def restored(run_dir, step: int | None = None, progress: bool = True):
-    """(run, config, token store, state, step) of a run's newest (or a given) checkpoint."""
+def restored(run_dir, step: int | None = None, progress: bool = True, final: bool = True):
+    """(run, config, token store, state, step) of a run's newest (or a given) checkpoint. With
+    ``final``, the config is the last phase's (its context and RoPE; moelab.config.phase_config): the
+    model as the run ends, evaluated as it trains there."""
     from moelab.data.store import build_store
     from moelab.errors import RunRefused
     from moelab.train import checkpoint, optim
@@ -145,6 +147,10 @@ def restored(run_dir, step: int | None = None, progress: bool = True):
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     opt = optim.make_optimizer(cfg, optim.hyper(cfg))
     state, _ = checkpoint.restore(run.ckpt, step, init_train_state(cfg, opt))
+    if final:
+        from moelab.config import phase_config, phase_seq_lens
+
+        cfg = phase_config(cfg, len(phase_seq_lens(cfg)) - 1)
     return run, cfg, store, state, step
 
 

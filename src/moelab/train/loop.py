@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from moelab import accounting
-from moelab.config import Config, config_hash, resolve_dtype, to_dict
+from moelab.config import Config, config_hash, phase_config, phase_seq_lens, resolve_dtype, rope_scaling_of, to_dict
 from moelab.data.mixture import batch_at, batch_rows, build_mixture, epochs_at
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
@@ -234,6 +234,10 @@ def train(
     if problems := cfg.check_vocab() + backend_problems(cfg.model):
         raise ConfigError(problems)
     job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
+    if cfg.train.task_evals:  # a task file that is not one is refused before anything is written
+        from moelab.eval.tasks import load_tasks
+
+        job.task_sets = load_tasks(cfg.train.task_evals, "train.task_evals")
     job.prepare_data()
     job.build_or_restore(resume)
     job.launch(on_forecast_update)
@@ -261,7 +265,10 @@ class _Job:
 
     def __init__(self, cfg: Config, run: RunDir, mesh, progress: bool, trackers):
         self.cfg, self.run, self.mesh, self.progress, self.trackers = cfg, run, mesh, progress, trackers
+        # the batch: b sequences of s_len tokens (a phase of shorter sequences holds more of them)
         self.steps, self.b, self.s_len = cfg.train.steps, cfg.train.batch_size, cfg.model.seq_len
+        self.lens = phase_seq_lens(cfg)
+        self.by_len: dict[int, dict] = {}  # per sequence length: its phase config, step, evaluator, FLOPs
 
     # ------------------------------------------------------------------ phases
 
@@ -343,14 +350,11 @@ class _Job:
         )
         self.fault = _fault_hook(run)
         pmesh.set_active(self.mesh, cfg.mesh.fsdp)  # the train step traces its transports and gathers on it
-        shardings = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.state)
-        self.step_fn = make_train_step(cfg, self.opt, self.h, shardings)
-        self.evaluator = Evaluator(cfg, store, mesh=self.mesh)  # runs under the mesh, as the model trains
+        self.shardings = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.state)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
         set_matmul_precision(cfg)
         self.peak, self.peak_source = device_peak(cfg, self.progress)
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
-        self.flops_per_token = 3 * accounting.count(cfg).forward_flops_per_token
         self.evals = eval_points(cfg, steps)
         self.poison = set(cfg.train.poison_steps)
         try:
@@ -379,6 +383,37 @@ class _Job:
         self.monitor.reset(read_jsonl(run.metrics))
         self.updates = ForecastUpdates(run, forecast, cfg, on_forecast_update, self.progress)
 
+    def at_length(self, step: int) -> dict:
+        """What step ``step`` runs with, for its phase's sequence length (data.phase_seq_lens): the
+        phase's config, its train step (compiled on first use), evaluator and FLOPs per token."""
+        phase = self.mixture.phase_at(step)
+        length = self.lens[phase]
+        got = self.by_len.get(length)
+        if got is None:
+            pcfg = phase_config(self.cfg, phase)
+            if len(set(self.lens)) > 1:
+                scaling = rope_scaling_of(pcfg.model)
+                self.run.event("context", step=step, phase=phase, seq_len=length, sequences=pcfg.train.batch_size,
+                               rope={"scaling": scaling[0], "factor": scaling[1], "original_len": scaling[2]})  # fmt: skip
+                if step > self.start:
+                    say(f"step {step}: phase {phase} trains at {length} tokens a sequence, {pcfg.train.batch_size} "
+                        f"sequences a batch (RoPE {scaling[0]} x{scaling[1]:g}); compiling its step", self.progress)  # fmt: skip
+            got = self.by_len[length] = {
+                "cfg": pcfg,
+                "step": make_train_step(pcfg, self.opt, self.h, self.shardings),
+                "evaluator": None,
+                "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
+            }
+        return got
+
+    def evaluator_at(self, done: int):
+        """The evaluator of the phase that trained step ``done`` - 1 (the first phase's at step 0): the
+        held-out windows at that phase's length, RoPE as it trains."""
+        got = self.at_length(max(done - 1, 0))
+        if got["evaluator"] is None:  # runs under the mesh, as the model trains
+            got["evaluator"] = Evaluator(got["cfg"], self.store, mesh=self.mesh)
+        return got
+
     def step_loop(self, stop) -> None:
         """Every step from the start: a batch, the update, the NaN guard, then logs, evals and checkpoints."""
         run, inj = self.run, self.injector
@@ -404,6 +439,9 @@ class _Job:
                 run.event("inject", step=s, fault=f.kind, arg=f.arg)
             batch = self.batch(s)
             self.state = inj.edit_state(s, self.state)
+            now = self.at_length(s)
+            if now["step"] is not getattr(self, "step_fn", None):
+                self.step_fn, self.flops_per_token, warm = now["step"], now["flops_per_token"], False
             t0 = time.perf_counter()
             self.state, metrics = self.step_fn(
                 self.state, batch, np.int32(s), np.bool_(s in self.poison), inj.step_args(s)
@@ -434,7 +472,8 @@ class _Job:
         cfg, store, inj = self.cfg, self.store, self.injector
         args = (store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
         if self.mesh is not None and not any(f.kind in ("data_corruption", "token_noise") for f in inj.active(s)):
-            return pmesh.put_rows(lambda lo, hi: batch_rows(*args, lo, hi)[0], (self.b, self.s_len + 1), self.mesh)
+            rows, length, _ = self.mixture.shape_at(inj.data_step(s), self.b, self.s_len)
+            return pmesh.put_rows(lambda lo, hi: batch_rows(*args, lo, hi)[0], (rows, length + 1), self.mesh)
         batch, rows_domain = batch_at(*args)
         batch = inj.corrupt(s, batch, rows_domain, store.domains, store.manifest["vocab_size"], cfg.train.seed)
         return batch if self.mesh is None else pmesh.put_batch(batch, self.mesh)
@@ -494,18 +533,30 @@ class _Job:
 
     def evaluate(self, done: int) -> dict:
         t0 = time.perf_counter()
-        res = self.evaluator(self.state["params"], self.state["model_state"])
-        rec = {
-            "kind": "eval",
-            "step": done,
-            "tokens": done * self.b * self.s_len,
-            **res,
-            "eval_seconds": time.perf_counter() - t0,
-        }
+        now = self.evaluator_at(done)
+        res = now["evaluator"](self.state["params"], self.state["model_state"])
+        rec = {"kind": "eval", "step": done, "tokens": done * self.b * self.s_len, **res}
+        if len(set(self.lens)) > 1:
+            rec["seq_len"] = now["cfg"].model.seq_len  # the held-out windows' length, as the phase trains
+        if self.cfg.train.task_evals:  # the tasks by log-likelihood, the model as this phase trains it
+            rec["tasks"] = self.tasks(now["cfg"].model)
+        rec["eval_seconds"] = time.perf_counter() - t0
         self.record(rec)
         self.run.event("eval", step=done, loss=res["loss"]["macro"], loss_dropless=res["loss_dropless"]["macro"])
         self.updates.after_eval(done)
         return rec
+
+    def tasks(self, m) -> dict:
+        """train.task_evals scored now: each task's acc, acc_norm, chance and bits per byte."""
+        from moelab.eval.tasks import model_loglik, score
+
+        if not hasattr(self, "task_tok"):
+            from moelab.data.tokenizer import load_saved
+
+            self.task_tok = load_saved(self.store.path)
+        loglik = model_loglik(self.state["params"], self.state["model_state"], m, self.task_tok)
+        keep = ("acc", "acc_norm", "chance", "bpb")
+        return {name: {k: v for k, v in score(ex, loglik).items() if k in keep} for name, ex in self.task_sets.items()}
 
     def save(self, done: int) -> None:
         cfg, run = self.cfg, self.run
