@@ -121,3 +121,13 @@ def test_the_step_graph_records_the_parent():
     assert b.identity() != branch_step("rung-40-60", output_of(other), 40, 60).identity()
     assert b.identity() != branch_step("rung-40-60", output_of(parent), 40, 70).identity()
     assert isinstance(b, Step)
+
+
+def test_a_branch_may_try_another_rope_scaling_only_before_a_longer_context():
+    parent = load_config("tiny", [*WSD, "train.steps=100", "train.lr=0.01", "data.phase_starts=[0.0,0.8]",
+                                  "data.phase_seq_lens=[32,128]"])  # fmt: skip
+    assert branch_config(parent, 80, 120, ["model.rope_scaling=pi"]).model.rope_scaling == "pi"
+    with pytest.raises(RunRefused, match="model.rope_scaling"):  # step 80 already ran at 128 tokens
+        branch_config(parent, 81, 120, ["model.rope_scaling=pi"])
+    with pytest.raises(RunRefused, match="model.rope_theta"):  # RoPE itself is no such field
+        branch_config(parent, 80, 120, ["model.rope_theta=500.0"])

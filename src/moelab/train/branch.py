@@ -5,7 +5,8 @@ size, and decays branched from its checkpoints, each a run of its own at a short
 branch is the parent's config with a new horizon from the branch step on (a ``train.replans``
 entry, as `moelab replan` writes one, so the schedule, the mixture's phases and the forecasts read
 it like any re-plan) and, at most, other fields that change nothing before that step (its decay
-fraction or floor, when and what it logs, evaluates and checkpoints). The rate it applies before the
+fraction or floor, when and what it logs, evaluates and checkpoints; its RoPE scaling while no step
+before the branch ran at a longer context than the first phase's). The rate it applies before the
 branch step must be the parent's, step for step, or it is refused: the shared prefix is one run.
 
 The branch's directory starts as a copy of the parent's checkpoint at the step and the parent's
@@ -50,6 +51,17 @@ def _rates(cfg: Config, upto: int) -> np.ndarray:
     return h.peak_lr * np.asarray(optim.lr_factor(jnp.arange(upto), h), np.float64)
 
 
+def _unused_before(cfg: Config, at: int) -> set[str]:
+    """Fields that change no step before ``at``: the RoPE scaling while every step so far ran at the
+    first phase's length (so branches can try scalings from a context change on)."""
+    from moelab.config import phase_seq_lens
+    from moelab.train.schedule import phase_boundaries
+
+    lens = phase_seq_lens(cfg)
+    starts = phase_boundaries(cfg.data.phase_starts, cfg.train)
+    return {"model.rope_scaling"} if all(n == lens[0] for n, b in zip(lens, starts, strict=True) if b < at) else set()
+
+
 def branch_config(parent: Config, at: int, steps: int, overrides: list[str] = (), name: str = "") -> Config:
     """The parent's config with a horizon of ``steps`` from step ``at`` on (and ``overrides``, which
     may change only what leaves every step before ``at`` as it was); RunRefused, one line, otherwise."""
@@ -62,7 +74,7 @@ def branch_config(parent: Config, at: int, steps: int, overrides: list[str] = ()
     spec = f"{at}:{parent.train.steps}->{steps}"
     base = load_config(parent, list(overrides))
     cfg = load_config(base, [f"train.steps={steps}", f"train.replans=[{', '.join((*base.train.replans, spec))}]"])
-    changed = [f for f in _diff(parent, cfg) if f not in MAY_CHANGE]
+    changed = [f for f in _diff(parent, cfg) if f not in MAY_CHANGE and f not in _unused_before(parent, at)]
     if changed:
         raise RunRefused(
             f"--set {changed[0]}: a branch shares the parent's run up to step {at}; only its horizon and "
