@@ -19,6 +19,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()  # before JAX loads
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -64,42 +65,43 @@ def buffer_rows(transport: str, cf: float, t: int, k: int, n_exp: int, n_dev: in
     return {"send_rows": n_exp * c, "recv_rows": n_exp * c, "expert_buffer_rows": local * n_dev * c, "exchanges": 2}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--run", help="a trained run directory (default: train the study's model)")
-    ap.add_argument("--out", default="runs/drops_vs_context")
-    ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--tokens-per-device", type=int, default=4096)
-    ap.add_argument("--seqs", default=",".join(map(str, SEQS)))
-    args = ap.parse_args()
-
-    import jax
-    import jax.numpy as jnp
-
-    from moelab.config import replace
+def restore(run: Path, step: int | None = None):
+    """(config, train state, token store) of a run's checkpoint (the newest by default)."""
     from moelab.data.store import build_store
-    from moelab.model import router as rt
-    from moelab.model.transformer import forward
-    from moelab.parallel import mesh as pmesh
-    from moelab.parallel.ep import ep_routed_experts
     from moelab.train import checkpoint, optim
     from moelab.train.record import load_run_config
     from moelab.train.step import init_train_state
 
-    t0 = time.time()
-    run = trained_run(args)
     cfg = load_run_config(run)
     state = init_train_state(cfg, optim.make_optimizer(cfg, optim.hyper(cfg)))
-    state, _ = checkpoint.restore(run / "ckpt", checkpoint.steps(run / "ckpt")[-1], state)
-    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
-    n_dev = 8
+    step = checkpoint.steps(run / "ckpt")[-1] if step is None else step
+    state, _ = checkpoint.restore(run / "ckpt", step, state)
+    return cfg, state, build_store(cfg.data, cfg.model.vocab_size, progress=False)
+
+
+def replay(cfg, state, store, seqs, tokens_per_device, transports, factors, timing=None, t0=None, n_dev=8) -> list:
+    """Every layer's routing of batches of ``tokens_per_device`` x ``n_dev`` tokens cut into sequences
+    of each length (windows of the training streams at seeded random starts, the domains in turn),
+    routed once dropless and replayed through each transport and capacity factor on ``n_dev``
+    simulated devices: one row per (length, layer, transport, factor). With ``timing``, each compiled
+    transport's call is timed into it."""
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.config import replace
+    from moelab.model import router as rt
+    from moelab.model.transformer import forward
+    from moelab.parallel import mesh as pmesh
+    from moelab.parallel.ep import ep_routed_experts
+
+    t0 = t0 or time.time()
     mesh = pmesh.auto_mesh(1, n_dev)
-    total = args.tokens_per_device * n_dev
+    total = tokens_per_device * n_dev
     m0 = cfg.model
     w = {n: state["params"]["layers"][n] for n in ("w_gate", "w_up", "w_down")}
-    rows_out, timing = [], {}
+    rows_out = []
     fns = {}
-    for seq in [int(s) for s in args.seqs.split(",")]:
+    for seq in seqs:
         # windows of the training streams at seeded random starts, the domains in turn
         rng = np.random.default_rng(0)
         n_seq = total // seq
@@ -108,7 +110,9 @@ def main() -> None:
             stream = store.stream(store.domains[i % len(store.domains)], "train")
             start = int(rng.integers(0, len(stream) - seq))
             tokens[i] = stream[start : start + seq]
-        m = replace(cfg, model={"seq_len": max(seq, m0.sliding_window)}).model
+        # at this length; a run with a long-context phase scales RoPE from its first length, as it trains
+        first = min(cfg.data.phase_seq_lens, default=0)
+        m = dataclasses.replace(m0, seq_len=max(seq, m0.sliding_window), rope_original_len=first if seq > first else 0)
         _, metrics, _ = jax.jit(lambda p, s, x, m=m: forward(p, s, x, m, "dropless", capture=True))(
             state["params"], state["model_state"], jnp.asarray(tokens)
         )
@@ -132,8 +136,8 @@ def main() -> None:
             h = jax.device_put(h, pmesh.batch_sharding(mesh))
             r = jax.device_put(r, pmesh.batch_sharding(mesh))
             wl = jax.device_put(wl, NamedSharding(mesh, P("expert")))
-            for transport in TRANSPORTS:
-                for cf in FACTORS:
+            for transport in transports:
+                for cf in factors:
                     # spill over every next choice, as the study was first run (before spill_choices)
                     mt = replace(
                         cfg, model={"ep_transport": transport, "capacity_factor": cf, "spill_choices": 0}
@@ -143,7 +147,7 @@ def main() -> None:
                         fns[key] = jax.jit(lambda h, r, w, mt=mt: ep_routed_experts(h, r, w, mt, mesh))
                     y, st = fns[key](h, r, wl)
                     jax.block_until_ready(y)
-                    if seq == 4096 or key not in timing:  # time the compiled call
+                    if timing is not None and (seq == 4096 or key not in timing):  # time the compiled call
                         t1 = time.perf_counter()
                         jax.block_until_ready(fns[key](h, r, wl)[0])
                         timing[key] = time.perf_counter() - t1
@@ -155,6 +159,27 @@ def main() -> None:
                         "spilled_frac": float(st["spilled_frac"]),
                     })  # fmt: skip
         print(f"  routed {n_seq} sequences of {seq} tokens ({time.time() - t0:.0f} s)", flush=True)
+
+    return rows_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--run", help="a trained run directory (default: train the study's model)")
+    ap.add_argument("--out", default="runs/drops_vs_context")
+    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--tokens-per-device", type=int, default=4096)
+    ap.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    args = ap.parse_args()
+
+    t0 = time.time()
+    run = trained_run(args)
+    cfg, state, store = restore(run)
+    n_dev = 8
+    m0 = cfg.model
+    timing = {}
+    rows_out = replay(cfg, state, store, [int(s) for s in args.seqs.split(",")], args.tokens_per_device, TRANSPORTS,
+                      FACTORS, timing, t0)  # fmt: skip
 
     seqs = sorted({r["seq_len"] for r in rows_out})
     table = {}
