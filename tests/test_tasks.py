@@ -120,3 +120,37 @@ def test_model_loglik_equals_the_log_softmax_of_the_full_forward():
         want = sum(float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1 - n, len(ids) - 1))
         assert value == pytest.approx(want, abs=1e-4)
     assert np.isfinite(got).all()
+
+
+def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path):
+    """train.task_evals: scored at every evaluation (the same as `moelab eval --tasks` on the same
+    checkpoint), in the summary and as a plot per task on the site; a bad task is refused before a
+    run folder exists."""
+    from conftest import MICRO
+    from moelab.config import load_config
+    from moelab.eval.tasks import evaluate_tasks
+    from moelab.report.site import run_plots
+    from moelab.train.loop import train
+    from moelab.train.record import read_jsonl
+
+    task = tmp_path / "mine.jsonl"
+    task.write_text("\n".join(json.dumps(r) for r in [
+        {"context": "def f(x):\n    return", "choices": [" x", " 1", " None"], "answer": 0},
+        {"context": "import ", "choices": ["os", "zz"], "answer": 0},
+        {"context": "for i in ", "continuation": "range(10):"},
+    ]))  # fmt: skip
+    sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=4", "train.eval_every=2"]
+    bad = tmp_path / "bad-run"
+    with pytest.raises(UsageError, match="train.task_evals: 'nosuch' is neither"):
+        train(load_config("tiny", sets + ["train.task_evals=[nosuch]"]), bad, progress=False)
+    assert not bad.exists()
+    run = tmp_path / "run"
+    summary = train(load_config("tiny", sets + [f"train.task_evals=[{task}]"]), run, progress=False)
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"mine"} for r in evals)
+    assert summary["final_tasks"] == evals[-1]["tasks"] and summary["first_tasks"] == evals[0]["tasks"]
+    offline = evaluate_tasks(run, [str(task)], progress=False)["tasks"]["mine"]
+    for k in ("acc", "acc_norm", "chance"):
+        assert evals[-1]["tasks"]["mine"][k] == offline[k]
+    assert evals[-1]["tasks"]["mine"]["bpb"] == pytest.approx(offline["bpb"], rel=1e-5)
+    assert "task-mine" in dict(run_plots(run))

@@ -348,6 +348,7 @@ class TrainConfig:
     # tasks scored by log-likelihood at every evaluation (moelab.eval.tasks): built-in names
     # (moelab.eval.builtin: next_line, brackets, defined_name) or JSON-lines files
     task_evals: tuple[str, ...] = ()
+    task_eval_examples: int = 100  # examples per task in the loop, evenly spread over its file (0 = all)
 
     def check(self) -> list[str]:
         """Problems with the training fields: one line each."""
@@ -400,6 +401,8 @@ class TrainConfig:
             e.append(
                 f"train.forecast_update_every: must be in [0, 1] (a fraction of the run), got {t.forecast_update_every}"
             )
+        if t.task_eval_examples < 0:
+            e.append(f"train.task_eval_examples: must be >= 0 (0 = every example), got {t.task_eval_examples}")
         if not all(isinstance(x, str) and x.strip() for x in t.task_evals):
             e.append(f"train.task_evals: a list of built-in task names or task files, got {list(t.task_evals)!r}")
         if t.micro_batch < 0:
@@ -782,8 +785,9 @@ HASH_NEUTRAL = {
     ("data", "phase_seq_lens"): [],
     ("model", "rope_scaling"): "yarn",  # no effect without a longer context than RoPE's original
     ("model", "rope_original_len"): 0,
-    ("train", "task_evals"): [],  # evaluated, never trained on
 }  # spill_choices changes what spill does: it is hashed
+# fields never hashed: what is evaluated beside the loss changes nothing a run trains
+NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples")}
 
 
 def auto_dtype(backend: str | None) -> str:
@@ -809,6 +813,8 @@ def config_hash(cfg: Config) -> str:
     for (section, key), value in HASH_NEUTRAL.items():
         if data.get(section, {}).get(key, value) == value:
             data[section].pop(key, None)
+    for section, key in NEVER_HASHED:
+        data.get(section, {}).pop(key, None)
     blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

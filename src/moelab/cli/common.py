@@ -42,6 +42,17 @@ def print_summary(summary: dict) -> None:
                 f"  {d:<16} {first['loss'][d]:>10.4f} {final['loss'][d]:>11.4f} {final['loss_dropless'][d]:>9.4f}"
                 f" {final['bpb'][d]:>10.4f}"
             )
+    if summary.get("final_tasks"):
+        first = summary.get("first_tasks", {})
+        print(f"  {'task':<16} {'acc at 0':>10} {'final acc':>11} {'acc_norm':>9} {'chance':>8} {'bits/byte':>10}")
+        for name, t in summary["final_tasks"].items():
+            if "acc" in t:
+                at0 = first.get(name, {}).get("acc", float("nan"))
+                print(
+                    f"  {name:<16} {at0:>10.3f} {t['acc']:>11.3f} {t['acc_norm']:>9.3f} {t['chance']:>8.3f} {t['bpb']:>10.4f}"
+                )
+            else:
+                print(f"  {name:<16} {'':>10} {'':>11} {'':>9} {'':>8} {t['bpb']:>10.4f}")
     if "final_loss" in summary:
         n_dev = summary.get("devices", 1)
         per = f" ({summary['tokens_per_s_per_device']:,.0f} per device)" if n_dev > 1 else ""

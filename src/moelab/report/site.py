@@ -142,6 +142,29 @@ def forecast_figure(run_dir: Path):
     return fig
 
 
+def task_plots(ev: list[dict]) -> list[tuple[str, str]]:
+    """One plot per task of train.task_evals against tokens: accuracy and length-normalised accuracy
+    with the chance level (multiple choice), or the target's bits per byte."""
+    scored = [r for r in ev if r.get("tasks")]
+    out = []
+    for name in scored[0]["tasks"] if scored else []:
+        rows = [r for r in scored if name in r["tasks"]]
+        tokens = [r["tokens"] for r in rows]
+        got = [r["tasks"][name] for r in rows]
+        if "acc" in got[0]:
+            fig, ax = _fig(f"Task {name}: accuracy by log-likelihood", xlabel="tokens", ylabel="accuracy")
+            ax.plot(tokens, [g["acc"] for g in got], marker=".", label="acc")
+            ax.plot(tokens, [g["acc_norm"] for g in got], marker=".", ls="--", label="acc_norm (per byte)")
+            ax.axhline(got[0]["chance"], color="0.4", ls=":", label=f"chance {got[0]['chance']:.3g}")
+            ax.set_ylim(0, 1)
+        else:
+            fig, ax = _fig(f"Task {name}: the target's bits per byte", xlabel="tokens", ylabel="bits / byte")
+            ax.plot(tokens, [g["bpb"] for g in got], marker=".", label="bits per byte")
+        ax.legend(fontsize=7)
+        out.append((f"task-{name}", _svg(fig)))
+    return out
+
+
 def run_plots(run_dir: Path) -> list[tuple[str, str]]:
     """(title, inline svg) for one training run's metrics.jsonl."""
     recs = read_jsonl(run_dir / "metrics.jsonl")
@@ -170,6 +193,7 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
             ax.fill_between(f["steps"], f["low"], f["high"], alpha=0.2, label="forecast band")
     ax.legend(fontsize=7)
     plots.append(("loss", _svg(fig)))
+    plots.extend(task_plots(ev))
     fig = forecast_figure(run_dir)
     if fig is not None:
         plots.append(("forecast", _svg(fig)))

@@ -237,7 +237,10 @@ def train(
     if cfg.train.task_evals:  # a task file that is not one is refused before anything is written
         from moelab.eval.tasks import load_tasks
 
-        job.task_sets = load_tasks(cfg.train.task_evals, "train.task_evals")
+        every = load_tasks(cfg.train.task_evals, "train.task_evals")
+        n = cfg.train.task_eval_examples  # evenly spread over each file, the same ones at every evaluation
+        job.task_sets = {k: [v[i] for i in np.linspace(0, len(v) - 1, n).round().astype(int)] if 0 < n < len(v) else v
+                         for k, v in every.items()}  # fmt: skip
     job.prepare_data()
     job.build_or_restore(resume)
     job.launch(on_forecast_update)
@@ -554,7 +557,7 @@ class _Job:
             from moelab.data.tokenizer import load_saved
 
             self.task_tok = load_saved(self.store.path)
-        loglik = model_loglik(self.state["params"], self.state["model_state"], m, self.task_tok)
+        loglik = model_loglik(self.state["params"], self.state["model_state"], m, self.task_tok, batch=32)
         keep = ("acc", "acc_norm", "chance", "bpb")
         return {name: {k: v for k, v in score(ex, loglik).items() if k in keep} for name, ex in self.task_sets.items()}
 
@@ -666,6 +669,8 @@ def summarize(run: RunDir, cfg: Config, peak: float | None = None, peak_source: 
     if eval_recs:
         out["first_eval"] = {"loss": eval_recs[0]["loss"], "bpb": eval_recs[0]["bpb"]}
         out["final_eval"] = {k: eval_recs[-1][k] for k in ("loss", "bpb", "loss_dropless", "bpb_dropless")}
+        if eval_recs[-1].get("tasks"):  # train.task_evals: the scores at the start and the end
+            out["first_tasks"], out["final_tasks"] = eval_recs[0].get("tasks", {}), eval_recs[-1]["tasks"]
     if peak:
         out["peak_flops"] = peak  # one device's, in the compute dtype; MFU is per device
         out["peak_source"] = peak_source
