@@ -13,14 +13,19 @@ forecast is of the held-out loss weighted by the training mixture (`mix`).
 Run it: moelab run experiments/exp24_forecast_noise_floor.py
 """
 
+import dataclasses
 from pathlib import Path
 
+from moelab.eval.builtin import BUILTIN
 from moelab.lab import Experiment, Prediction, output_of
 from moelab.lab.steps import forecast_step, health_step, ladder_steps, train_step
 
 LADDER = str(Path(__file__).resolve().parents[1] / "ladders" / "demo.yaml")
 
 rungs, target_cfg = ladder_steps(LADDER)
+# the target also scores moelab's built-in tasks at every evaluation (issue 28): measured beside the
+# loss, never hashed, so the forecast and the prediction above are as registered
+target_cfg = dataclasses.replace(target_cfg, train=dataclasses.replace(target_cfg.train, task_evals=BUILTIN))
 forecast = forecast_step("demo-forecast", [output_of(r) for r in rungs], target_cfg)
 target = train_step("demo-target", target_cfg, forecast=output_of(forecast) / "forecast.json")
 health = health_step("demo-health", output_of(target))

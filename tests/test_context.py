@@ -79,7 +79,7 @@ def test_a_phase_holds_the_batch_tokens_in_fewer_longer_sequences(corpus):
     # phase configs: the first at its length unscaled, the second at the model's with RoPE x4 from 8
     p0, p1 = phase_config(cfg, 0), phase_config(cfg, 1)
     assert (p0.model.seq_len, p0.train.batch_size, rope_scaling_of(p0.model)) == (8, 16, ("none", 1.0, 8))
-    assert (p1.model.seq_len, p1.train.batch_size, rope_scaling_of(p1.model)) == (32, 4, ("yarn", 4.0, 8))
+    assert (p1.model.seq_len, p1.train.batch_size, rope_scaling_of(p1.model)) == (32, 4, ("ntk", 4.0, 8))
     assert final_model(cfg) == p1.model  # what sampling, task evaluations and the export use
 
 

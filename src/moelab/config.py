@@ -56,8 +56,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # RoPE for a context longer than the one it was trained at (rope_original_len < seq_len): none, pi
     # (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). A
-    # long-context phase (data.phase_seq_lens) sets the original length itself
-    rope_scaling: str = "yarn"
+    # long-context phase (data.phase_seq_lens) sets the original length itself. ntk: chosen by the rule
+    # registered before benchmarks/rope_scaling.py ran (results/rope_scaling.json; none, ntk and yarn tied)
+    rope_scaling: str = "ntk"
     rope_original_len: int = 0  # 0 = seq_len: no scaling
     sliding_window: int = 0  # 0 = every layer global
     global_every: int = 4  # with a window: every n-th layer (and the last) is global
@@ -783,7 +784,7 @@ HASH_NEUTRAL = {
     ("train", "async_checkpoint"): True,
     ("train", "checkpoint_dir"): "",
     ("data", "phase_seq_lens"): [],
-    ("model", "rope_scaling"): "yarn",  # no effect without a longer context than RoPE's original
+    ("model", "rope_scaling"): "ntk",  # no effect without a longer context than RoPE's original
     ("model", "rope_original_len"): 0,
 }  # spill_choices changes what spill does: it is hashed
 # fields never hashed: what is evaluated beside the loss changes nothing a run trains

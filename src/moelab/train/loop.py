@@ -399,8 +399,9 @@ class _Job:
                 self.run.event("context", step=step, phase=phase, seq_len=length, sequences=pcfg.train.batch_size,
                                rope={"scaling": scaling[0], "factor": scaling[1], "original_len": scaling[2]})  # fmt: skip
                 if step > self.start:
+                    rope = "RoPE unscaled" if scaling[0] == "none" else f"RoPE {scaling[0]} x{scaling[1]:g}"
                     say(f"step {step}: phase {phase} trains at {length} tokens a sequence, {pcfg.train.batch_size} "
-                        f"sequences a batch (RoPE {scaling[0]} x{scaling[1]:g}); compiling its step", self.progress)  # fmt: skip
+                        f"sequences a batch ({rope}); compiling its step", self.progress)  # fmt: skip
             got = self.by_len[length] = {
                 "cfg": pcfg,
                 "step": make_train_step(pcfg, self.opt, self.h, self.shardings),
