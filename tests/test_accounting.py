@@ -140,3 +140,20 @@ def test_marin_shapes_have_the_counted_parameters(name):
     shapes = jax.eval_shape(lambda k: init_params(cfg.model, k), jax.random.PRNGKey(0))
     a = accounting.count(cfg)
     assert count_params(shapes) == a.total_params + a.norm_params
+
+
+def test_a_long_context_phase_is_counted_at_its_own_length():
+    """A run of 128 then 512 tokens a sequence (the batch's tokens held) costs its phases' tokens at
+    each length's FLOPs per token: the same as the two plain configs' rates (hand sum)."""
+    from moelab.accounting import count, run_train
+    from moelab.config import load_config
+
+    sets = ["model.seq_len=512", "train.steps=100", "train.batch_size=4", "data.phase_starts=[0.0,0.75]"]
+    phased = run_train(load_config("tiny", sets + ["data.phase_seq_lens=[128,512]"]))
+    short = count(load_config("tiny", ["model.seq_len=128"])).forward_flops_per_token
+    long = count(load_config("tiny", ["model.seq_len=512"])).forward_flops_per_token
+    tokens = 100 * 4 * 512
+    assert phased["tokens"] == tokens
+    assert [p["steps"] for p in phased["phases"]] == [75, 25]
+    assert phased["train_flops"] == pytest.approx(3 * (short * 0.75 + long * 0.25) * tokens, rel=1e-12)
+    assert short < long  # attention's span: the sums differ from one length's count

@@ -196,3 +196,17 @@ def test_compiler_check_with_accumulation_and_offload():
     c = memory.compiler_check(cfg, 2, 4)
     assert 0.85 <= c["ratio"] <= 1.15, c
     assert any("device and host apart" in line for line in c["unconfirmed"])
+
+
+def test_a_long_context_phase_is_planned_phase_by_phase():
+    """128 then 2,048 tokens a sequence, 4,096 tokens a step: the plan is the larger of the two plain
+    configs' plans (32 sequences of 128, 2 of 2,048), and lists both. Either may be the larger: here
+    (CPU, blocked attention below 2,048 tokens, flash from there) it is the short phase."""
+    base = ["model.seq_len=2048", "train.batch_size=2"]
+    phased = memory.plan(load_config("tiny", base + ["data.phase_seq_lens=[128,2048]"]), 1, 1)
+    short = memory.plan(load_config("tiny", ["model.seq_len=128", "train.batch_size=32"]), 1, 1)
+    long = memory.plan(load_config("tiny", base), 1, 1)
+    assert [(x["seq_len"], x["micro_batch"], x["total"]) for x in phased["phases"]] == [
+        (128, 32, short["total"]), (2048, 2, long["total"])]  # fmt: skip
+    larger = max((short, long), key=lambda x: x["total"])  # on CPU the short phase's (blocked attention)
+    assert phased["total"] == larger["total"] and phased["seq_len"] == larger["seq_len"]

@@ -86,6 +86,32 @@ def run_tokens(cfg: Config) -> int:
     return cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
 
 
+def run_train(cfg: Config) -> dict:
+    """``count(cfg).train(run_tokens(cfg))``, with a long-context phase (data.phase_seq_lens) counted
+    phase by phase: each phase's tokens at its own sequence length's FLOPs per token (attention's span
+    grows with it); ``phases`` lists them."""
+    from moelab.config import phase_config, phase_seq_lens
+    from moelab.train.schedule import phase_boundaries
+
+    lens = phase_seq_lens(cfg)
+    out = count(cfg).train(run_tokens(cfg))
+    if len(set(lens)) == 1:
+        return out
+    starts = list(phase_boundaries(cfg.data.phase_starts, cfg.train)) + [cfg.train.steps]
+    per_step = cfg.train.batch_size * cfg.model.seq_len
+    phases = []
+    for p, length in enumerate(lens):
+        a = count(phase_config(cfg, p))
+        tokens = max(0, min(starts[p + 1], cfg.train.steps) - starts[p]) * per_step
+        phases.append({"seq_len": length, "steps": tokens // per_step, "tokens": tokens,
+                       "train_flops": 3.0 * a.forward_flops_per_token * tokens,
+                       "train_flops_without_lm_head": 3.0 * a.forward_flops_per_token_without_lm_head * tokens})  # fmt: skip
+    out["train_flops"] = sum(x["train_flops"] for x in phases)
+    out["train_flops_without_lm_head"] = sum(x["train_flops_without_lm_head"] for x in phases)
+    out["phases"] = phases
+    return out
+
+
 def human(x: float) -> str:
     """3 significant figures with an SI suffix: 535.3B, 2.70e24 stays scientific past T."""
     for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):

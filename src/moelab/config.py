@@ -898,8 +898,8 @@ def phase_seq_lens(cfg: Config) -> tuple[int, ...]:
 
 def phase_config(cfg: Config, phase: int) -> Config:
     """The config a phase's steps run: model.seq_len the phase's length, RoPE scaled from the first
-    phase's length when longer, and train.batch_size (and micro_batch) the sequences that hold the
-    batch's tokens (train.batch_size x model.seq_len) at that length."""
+    phase's length when longer (model.rope_original_len), and train.batch_size (and micro_batch) the
+    sequences that hold the batch's tokens (train.batch_size x model.seq_len) at that length."""
     lens = phase_seq_lens(cfg)
     length, first = lens[phase], lens[0]
     if length == cfg.model.seq_len and first == length:
@@ -907,7 +907,8 @@ def phase_config(cfg: Config, phase: int) -> Config:
     per = cfg.model.seq_len // length
     t = dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size * per, micro_batch=cfg.train.micro_batch * per)
     m = dataclasses.replace(cfg.model, seq_len=length, rope_original_len=first if length > first else 0)
-    return dataclasses.replace(cfg, model=m, train=t)
+    # a config of its own (it validates): one length throughout, RoPE's original length set
+    return dataclasses.replace(cfg, model=m, train=t, data=dataclasses.replace(cfg.data, phase_seq_lens=()))
 
 
 def final_model(cfg: Config) -> ModelConfig:

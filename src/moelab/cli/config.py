@@ -29,7 +29,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
         tokens = accounting.run_tokens(cfg)
     if tokens <= 0:
         raise UsageError(f"--tokens: must be > 0, got {tokens:g}")
-    out = accounting.count(cfg).train(tokens)
+    # the run's own tokens: a long-context phase counted at its length; other token counts at model.seq_len
+    out = accounting.run_train(cfg) if tokens == accounting.run_tokens(cfg) else accounting.count(cfg).train(tokens)
     out["config"] = cfg.name or args.config
     if args.json:
         print(json.dumps(out, indent=1))

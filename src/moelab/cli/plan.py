@@ -105,6 +105,10 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             f"  note: data={data} divides no dimension of {', '.join(out['whole_over_data'])}: each of the "
             f"{data} data groups keeps its own copy of those (JAX shardings leave no remainder)"
         )
+    if out.get("phases"):  # a long-context phase: each phase's plan, this one the largest
+        each = "; ".join(f"{x['seq_len']:,} tokens x {x['micro_batch']} sequences {x['total'] / div:.2f} {unit}"
+                         for x in out["phases"])  # fmt: skip
+        print(f"  phases (data.phase_seq_lens, per device): {each}; shown: the {out['seq_len']:,}-token phase")
     acts = out["activations_by_remat"]
     print("  activations by remat: " + ", ".join(f"{k} {v / div:.2f} {unit}" for k, v in acts.items()))
     if out["device_memory"] is not None:

@@ -59,7 +59,7 @@ def _estimate(cfg: dict) -> dict:
 
     c = _config(cfg)
     tokens = accounting.run_tokens(c)
-    return {"flops": accounting.count(c).train(tokens)["train_flops"], "tokens": tokens}
+    return {"flops": accounting.run_train(c)["train_flops"], "tokens": tokens}
 
 
 def train_step(

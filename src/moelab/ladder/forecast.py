@@ -138,7 +138,7 @@ def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bo
     run_dir = Path(run_dir)
     cfg = _run_config(run_dir)
     steps = cfg.train.steps
-    out = accounting.count(cfg).train(accounting.run_tokens(cfg))
+    out = accounting.run_train(cfg)
     total = out["train_flops"] if with_head else out["train_flops_without_lm_head"]
     points = {}
     for rec in read_jsonl(run_dir / "metrics.jsonl"):

@@ -175,7 +175,7 @@ def plan(ladder: Ladder, flops_per_s: float | None = None) -> list[dict]:
     for i, d in enumerate(ladder.all_widths()):
         cfg = rung_config(ladder, i)
         tokens = accounting.run_tokens(cfg)
-        out = accounting.count(cfg).train(tokens)
+        out = accounting.run_train(cfg)
         rows.append({
             "rung": f"d{d}" if i < len(ladder.widths) else f"d{d} (target)", "d_model": d, "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
             "kv_heads_local": cfg.model.kv_heads_local, "kv_heads_global": cfg.model.n_kv_heads,

@@ -401,7 +401,7 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
             from moelab.config import config_from_dict
 
             cfg = config_from_dict(json.loads(cfg_path.read_text())["config"])
-            compute += accounting.count(cfg).train(accounting.run_tokens(cfg))["train_flops"]
+            compute += accounting.run_train(cfg)["train_flops"]
     body.append("</table>")
 
     for s in decl.get("steps", []):

@@ -664,7 +664,9 @@ def summarize(run: RunDir, cfg: Config, peak: float | None = None, peak_source: 
             n_dev = cfg.mesh.data * cfg.mesh.expert
             out["tokens_per_s_per_device"] = out["tokens_per_s"] / n_dev
             out["flops_per_s_per_device"] = (
-                out["tokens_per_s_per_device"] * 3 * accounting.count(cfg).forward_flops_per_token
+                out["tokens_per_s_per_device"]
+                * 3
+                * accounting.count(phase_config(cfg, len(phase_seq_lens(cfg)) - 1)).forward_flops_per_token
             )
             out["mfu"] = float(np.median([r["mfu"] for r in timed]))
     if eval_recs:

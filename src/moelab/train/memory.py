@@ -33,7 +33,7 @@ import dataclasses
 import math
 
 from moelab import devices
-from moelab.config import Config, load_config
+from moelab.config import Config, load_config, phase_config, phase_seq_lens
 from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
 
@@ -362,7 +362,22 @@ def plan(
     """The per-device memory plan of ``cfg``'s train step on a ``data`` x ``expert`` mesh, as the
     target device runs it (``for_target``): device and host memory apart, with gradient
     accumulation (``train.micro_batch``, or ``micro_batch`` sequences per device) and host offload
-    (``train.offload``) counted."""
+    (``train.offload``) counted. A run with a long-context phase (data.phase_seq_lens) is planned
+    phase by phase (each its length, its sequences; ``micro_batch`` counts sequences of
+    model.seq_len): the plan of the phase that needs the most device memory, and ``phases``."""
+    lens = phase_seq_lens(cfg)
+    if len(set(lens)) > 1:
+        kw = dict(device=device, device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb, fsdp=fsdp,
+                  max_micro_batch=max_micro_batch)  # fmt: skip
+        plans = []
+        for p, length in enumerate(lens):
+            if length in lens[:p]:
+                continue
+            per = cfg.model.seq_len // length
+            plans.append(plan(phase_config(cfg, p), data, expert, micro_batch=micro_batch and micro_batch * per, **kw))
+        out = dict(max(plans, key=lambda x: x["total"]))
+        out["phases"] = [{k: x[k] for k in ("seq_len", "micro_batch", "total", "host_total", "fits")} for x in plans]
+        return out
     m = cfg.model
     if data < 1 or expert < 1:
         raise UsageError(f"--mesh: data and expert must be >= 1, got data={data}, expert={expert}")
@@ -417,6 +432,7 @@ def plan(
         "micro_batch": micro_batch,
         "micro_batches": n_micro,
         "tokens_per_device": micro_batch * m.seq_len,
+        "seq_len": m.seq_len,
         "remat": m.remat,
         "offload": cfg.train.offload,
         "rows": rows,
