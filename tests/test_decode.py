@@ -28,7 +28,14 @@ def windowed_lm(**model):
     return m, params, state
 
 
-@pytest.mark.parametrize("model", [{}, {"router": "softmax", "latent_dim": 0, "sliding_window": 0, "n_kv_heads": 2}])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {"router": "softmax", "latent_dim": 0, "sliding_window": 0, "n_kv_heads": 2},
+        {"rope_original_len": 6, "rope_scaling": "yarn"},  # a model after a context extension (RoPE x4)
+    ],
+)
 def test_cached_logits_equal_the_full_forward_at_every_generated_position(model):
     """Greedy generation with the cache, 17 new tokens after a 4-token prompt (past the window of 5):
     at every position the logits equal those of the full forward over the whole sequence."""

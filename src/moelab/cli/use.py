@@ -18,6 +18,7 @@ def _say(text: str) -> None:
 def cmd_sample(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
+    from moelab.config import final_model
     from moelab.export import checkpoint_step, load_trained, tokenizer_of
     from moelab.model.decode import Generator, check_sampling
     from moelab.train.record import load_run_config
@@ -34,7 +35,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     stop = tok.token_to_id("<|endoftext|>")
     _say(f"loading {args.run_dir} at step {step} ...")
     t = load_trained(args.run_dir, step)
-    gen = Generator(t.params, t.model_state, t.cfg.model)
+    gen = Generator(t.params, t.model_state, final_model(t.cfg))  # the last phase's context and RoPE
     stream = sys.stdout.isatty() and not args.json
     shown = [""]
     new: list[int] = []
