@@ -90,9 +90,9 @@ def replay(cfg, state, store, seqs, tokens_per_device, transports, factors, timi
 
     from moelab.config import replace
     from moelab.model import router as rt
+    from moelab.model.moe import routed_experts
     from moelab.model.transformer import forward
     from moelab.parallel import mesh as pmesh
-    from moelab.parallel.ep import ep_routed_experts
 
     t0 = t0 or time.time()
     mesh = pmesh.auto_mesh(1, n_dev)
@@ -143,10 +143,15 @@ def replay(cfg, state, store, seqs, tokens_per_device, transports, factors, timi
                         cfg, model={"ep_transport": transport, "capacity_factor": cf, "spill_choices": 0}
                     ).model
                     key = (transport, cf)
-                    if key not in fns:
-                        fns[key] = jax.jit(lambda h, r, w, mt=mt: ep_routed_experts(h, r, w, mt, mesh))
-                    y, st = fns[key](h, r, wl)
-                    jax.block_until_ready(y)
+                    if key not in fns:  # as the train step calls it: the transport on the active mesh
+                        dispatch = "spill" if transport == "spill" else "capacity"
+                        fns[key] = jax.jit(lambda h, r, w, mt=mt, d=dispatch: routed_experts(h, r, w, mt, d))
+                    pmesh.set_active(mesh)  # the transports run on the mesh (the forward above on one device)
+                    try:
+                        y, st = fns[key](h, r, wl)
+                        jax.block_until_ready(y)
+                    finally:
+                        pmesh.set_active(None)
                     if timing is not None and (seq == 4096 or key not in timing):  # time the compiled call
                         t1 = time.perf_counter()
                         jax.block_until_ready(fns[key](h, r, wl)[0])
@@ -159,7 +164,6 @@ def replay(cfg, state, store, seqs, tokens_per_device, transports, factors, timi
                         "spilled_frac": float(st["spilled_frac"]),
                     })  # fmt: skip
         print(f"  routed {n_seq} sequences of {seq} tokens ({time.time() - t0:.0f} s)", flush=True)
-
     return rows_out
 
 
