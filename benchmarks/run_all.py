@@ -37,6 +37,11 @@ SCRIPTS = [
     ["checkpoint_async.py"],
     # issue 27: accumulation, offload and remat, the step time side by side
     ["accumulate_offload.py"],
+    # issue 28: RoPE scaling for a long-context phase (picks model.rope_scaling's default by the registered
+    # rule), retrieval before and after the extension (on rope_scaling's runs), drops across an extension
+    ["rope_scaling.py"],
+    ["retrieval_extension.py"],
+    ["drops_extension.py"],
 ]
 
 if __name__ == "__main__":
