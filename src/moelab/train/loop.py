@@ -238,6 +238,13 @@ def train(
         from moelab.eval.tasks import load_tasks
 
         every = load_tasks(cfg.train.task_evals, "train.task_evals")
+        from moelab.eval.builtin import BUILTIN, builtin_task
+
+        if set(cfg.train.task_evals) & set(BUILTIN):  # made from documents held out at the manifest's fraction
+            made = json.loads((builtin_task(BUILTIN[0]).parent / "tasks.json").read_text())["held_out_fraction"]
+            if cfg.data.held_out_fraction < made:
+                say(f"note: the built-in tasks come from documents held out at data.held_out_fraction {made:g}; "
+                    f"this run holds out {cfg.data.held_out_fraction:g}, so it may train on some of them", True)  # fmt: skip
         n = cfg.train.task_eval_examples  # evenly spread over each file, the same ones at every evaluation
         job.task_sets = {k: [v[i] for i in np.linspace(0, len(v) - 1, n).round().astype(int)] if 0 < n < len(v) else v
                          for k, v in every.items()}  # fmt: skip
