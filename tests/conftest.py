@@ -76,6 +76,20 @@ def corpus(tmp_path_factory) -> dict:
     return {"root": root, "code": str(code), "prose": str(prose)}
 
 
+@pytest.fixture(scope="session")
+def tiny_run(corpus, tmp_path_factory) -> Path:
+    """A trained run of the tiny preset at MICRO size (sigmoid router with its bias, latent experts,
+    local and global layers), context 64, 10 steps: for sampling, the export and lm-eval."""
+    from moelab.config import load_config
+    from moelab.train.loop import train
+
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    cfg = load_config("tiny", [*MICRO, "model.seq_len=64", f"data.sources=[{corpus['code']}, {corpus['prose']}]",
+                               "train.steps=10", "train.eval_every=10"])  # fmt: skip
+    train(cfg, out, progress=False)
+    return out
+
+
 # `make test-ragged` sets MOELAB_TEST_MOE_IMPL=ragged: the model and training tests then build their
 # models with that model.moe_impl (ragged_dot, the GPU and TPU default, run here on CPU)
 MOE_IMPL = os.environ.get("MOELAB_TEST_MOE_IMPL", "")

@@ -201,6 +201,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from moelab.train.evaluate import eval_noise, evaluate_run
 
+    if args.harness is not None:
+        return _harness(args)
+    if args.limit is not None:
+        raise UsageError("--limit: only with --harness (at most N examples per lm-eval task)")
     if args.tasks:
         from moelab.eval.tasks import evaluate_tasks
 
@@ -257,6 +261,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"  {d:<16} {res['loss'][d]:>8.4f} {res['bpb'][d]:>10.4f} {res['loss_dropless'][d]:>9.4f}"
             f" {res['bpb_dropless'][d]:>10.4f}"
         )
+    return 0
+
+
+def _harness(args: argparse.Namespace) -> int:
+    """`moelab eval RUN --harness TASK,...`: lm-evaluation-harness on the exported checkpoint (moelab.eval.harness)."""
+    import json as _json
+
+    given = [n for n in ("tasks", "noise", "against", "data") if getattr(args, n)]
+    if given:
+        raise UsageError(f"--harness with --{given[0]}: run them one at a time")
+    specs = [s.strip() for s in args.harness.split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--harness: give lm-eval task names or task YAML paths, separated by commas")
+    from moelab.eval.harness import evaluate_harness
+
+    res = evaluate_harness(args.run_dir, specs, args.checkpoint, limit=args.limit, progress=not args.json)
+    if args.json:
+        print(_json.dumps(res, indent=1))
+        return 0
+    print(f"{args.run_dir} at step {res['step']}: lm-evaluation-harness {res['lm_eval']}")
+    print(f"  {'task':<24} {'examples':>8} {'metric':<16} {'value':>8} {'stderr':>8}")
+    for task, metrics in res["tasks"].items():
+        for name, value in metrics.items():
+            if name.endswith("_stderr") or "_stderr," in name:
+                continue
+            err = metrics.get(name.replace(",", "_stderr,", 1) if "," in name else name + "_stderr")
+            err = f"{err:>8.4f}" if isinstance(err, (int, float)) else f"{'':>8}"
+            n = res["examples"].get(task)
+            print(f"  {task:<24} {n if n is not None else '':>8} {name:<16} {value:>8.4f} {err}")
     return 0
 
 
@@ -337,5 +370,13 @@ def register(sub) -> None:
         help="score task files (JSON lines: context + choices + answer, or context + continuation; see "
         "moelab.eval.tasks) by log-likelihood: accuracy, length-normalised accuracy, bits per byte",
     )
+    p.add_argument(
+        "--harness",
+        metavar="TASK,...",
+        help="run lm-evaluation-harness (pip install 'moelab[harness]') on the exported checkpoint: lm-eval task "
+        "names whose datasets are in the local Hugging Face cache, or task YAML paths over local data files; "
+        "nothing is downloaded; results in evals/step_N-harness.json",
+    )
+    p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: at most N examples per task")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

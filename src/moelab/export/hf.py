@@ -6,7 +6,9 @@
 weights), ``tokenizer.json`` and ``tokenizer_config.json`` (a ``PreTrainedTokenizerFast``), and the
 architecture's two files (``configuration_moelab.py``, ``modeling_moelab.py``, copied from
 moelab/export/remote_code/). A global layer's k and v weights are written as that layer uses them (its kv
-heads averaged from the allocated ones, ``layers.group_kv``), so the PyTorch side needs no rule.
+heads averaged from the allocated ones, ``layers.group_kv``), so the PyTorch side needs no rule. The
+model takes padded batches with an ``attention_mask`` (left or right padding) and ``generate()``
+keeps a KV cache; the config's ``rope_scaling`` carries the run's RoPE scaling (``_rope_scaling``).
 
 ``export_safetensors`` writes the weights alone under moelab's own names (``SAFETENSORS_NAMES``).
 
@@ -86,7 +88,18 @@ def hf_tensors(t: Trained) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+def _rope_scaling(t: Trained) -> dict:
+    """The RoPE the model ends its run with (its last phase's: ``final_model``), as the export's config
+    says it: {"type": none|pi|ntk|yarn, "factor": s, "original_max_position_embeddings": L0}."""
+    from moelab.config import final_model, rope_scaling_of
+
+    kind, factor, base = rope_scaling_of(final_model(t.cfg))
+    return {"type": str(kind), "factor": float(factor), "original_max_position_embeddings": int(base)}
+
+
 def hf_config(t: Trained, eot: int | None) -> dict:
+    from moelab.config import final_model
+
     m = t.cfg.model
     windows = [0 if m.is_global(i) or not m.sliding_window else m.sliding_window for i in range(m.n_layers)]
     return {
@@ -105,6 +118,7 @@ def hf_config(t: Trained, eot: int | None) -> dict:
         "layer_windows": windows,
         "rope_fraction": m.rope_fraction,
         "rope_theta": m.rope_theta,
+        "rope_scaling": _rope_scaling(t),
         "rms_norm_eps": m.norm_eps,
         "n_routed_experts": m.n_routed,
         "num_experts_per_tok": m.top_k,
@@ -113,7 +127,7 @@ def hf_config(t: Trained, eot: int | None) -> dict:
         "shared_intermediate_size": m.n_shared * m.shared_dim,
         "router": m.router,
         "routed_scale": m.routed_scale if m.router == "sigmoid" else 1.0,
-        "max_position_embeddings": m.seq_len,
+        "max_position_embeddings": final_model(t.cfg).seq_len,  # the last phase's context
         "tie_word_embeddings": False,
         "eos_token_id": eot,
         "torch_dtype": "float32",
@@ -130,6 +144,8 @@ def _eot(tokenizer_path: Path) -> int | None:
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
     from safetensors.numpy import save_file
 
+    from moelab.config import final_model
+
     out = Path(out)
     check_out(out, is_dir=True)
     t = load_trained(run_dir, step, progress)
@@ -142,10 +158,10 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)
         (tmp / "config.json").write_text(json.dumps(hf_config(t, eot), indent=1))
-        gen = {"eos_token_id": eot, "pad_token_id": eot, "use_cache": False}
+        gen = {"eos_token_id": eot, "pad_token_id": eot, "use_cache": True}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1))
         shutil.copyfile(t.tokenizer_path, tmp / "tokenizer.json")
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": t.cfg.model.seq_len,
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": final_model(t.cfg).seq_len,
                    "clean_up_tokenization_spaces": False}  # fmt: skip
         if eot is not None:
             tok_cfg.update(eos_token=EOT, pad_token=EOT)

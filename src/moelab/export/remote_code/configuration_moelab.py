@@ -9,6 +9,9 @@ from transformers import PretrainedConfig
 
 class MoelabConfig(PretrainedConfig):
     model_type = "moelab"
+    # a plain attribute: transformers 5 makes ``rope_scaling`` a deprecated alias of its own
+    # ``rope_parameters`` (standardised and validated for its own RoPE kinds); this is moelab's
+    rope_scaling = None
 
     def __init__(
         self,
@@ -21,6 +24,9 @@ class MoelabConfig(PretrainedConfig):
         layer_windows: list | None = None,  # each layer's sliding window; 0 = global (causal only)
         rope_fraction: float = 1.0,  # the first fraction of each head's dims is rotated (half-split pairs)
         rope_theta: float = 10000.0,
+        # {"type": none|pi|ntk|yarn, "factor": s, "original_max_position_embeddings": L0}: the RoPE
+        # frequencies for a context s times the trained L0 (modeling_moelab.rope_frequencies)
+        rope_scaling: dict | None = None,
         rms_norm_eps: float = 1e-6,
         n_routed_experts: int = 8,
         num_experts_per_tok: int = 2,
@@ -42,6 +48,8 @@ class MoelabConfig(PretrainedConfig):
         self.layer_windows = list(layer_windows or [0] * num_hidden_layers)
         self.rope_fraction = rope_fraction
         self.rope_theta = rope_theta
+        none = {"type": "none", "factor": 1.0, "original_max_position_embeddings": max_position_embeddings}
+        self.rope_scaling = dict(rope_scaling or none)
         self.rms_norm_eps = rms_norm_eps
         self.n_routed_experts = n_routed_experts
         self.num_experts_per_tok = num_experts_per_tok

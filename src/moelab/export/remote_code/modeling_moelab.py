@@ -7,27 +7,35 @@ uses fp32 (norms, router, softmax):
 
 - pre-norm layers: x += attention(rms_norm(x)); x += moe(rms_norm(x)); a final norm; an untied head;
 - attention: q, k, v projections without bias; RMS qk-norm without weight; RoPE on the first
-  ``rope_fraction`` of each head's dims (half-split pairs); grouped kv heads, their count per
-  layer; causal, and a sliding window on local layers (``layer_windows``, 0 = global);
+  ``rope_fraction`` of each head's dims (half-split pairs), its frequencies scaled as
+  ``rope_scaling`` says (``rope_frequencies``: none, pi, ntk or yarn); grouped kv heads, their count
+  per layer; causal, and a sliding window on local layers (``layer_windows``, 0 = global);
 - MoE: router logits in fp32; softmax or sigmoid scores; the top k of logits + the router's bias
   (the bias only picks experts); gates = the chosen scores renormalised to sum to ``routed_scale``;
   each token's k experts are SwiGLUs (dropless: every token reaches its experts), in a latent width
   when ``latent_dim`` > 0 (down-projected, RMS-normed, and the sum up-projected); plus the shared
   experts, one SwiGLU ``shared_intermediate_size`` wide, on every token.
 
-Generation recomputes the whole sequence each step (no KV cache here): ``generate()`` works, at
-the cost of speed; ``moelab sample`` is the cached path. Padded batches are refused (positions
-would shift): one prompt, or prompts of the same length.
+Padded batches: ``attention_mask`` (1 = a real token) hides padded keys from every query, and
+positions count real tokens only (``cumsum(mask) - 1``), so left or right padding leaves a real
+token's logits as they are unpadded; routing is per token and dropless, so pad tokens cannot change
+other tokens' experts. ``generate()`` keeps a KV cache (transformers' ``DynamicCache``, the keys
+after RoPE): each step computes only the new tokens.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moelab import MoelabConfig
+
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp, in rotations over the original context
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -38,50 +46,77 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, fraction: float, theta: float) -> torch.Tensor:
-    """x: [b, s, heads, hd]; rotates the first ``fraction`` of hd, pairing i with i + rot/2."""
-    hd = x.shape[-1]
-    rot = int(hd * fraction)
-    half = rot // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions.float()[:, None] * freqs[None, :]
-    cos, sin = torch.cos(angles)[None, :, None, :], torch.sin(angles)[None, :, None, :]
+def rope_frequencies(half: int, theta: float, scaling: tuple = ("none", 1.0, 0)) -> tuple[torch.Tensor, float]:
+    """The ``half`` rotary frequencies (float64) and the factor on cos and sin, for ``scaling`` =
+    (kind, factor s, original context L0); moelab's ``rope_frequencies``, in torch. f_i = theta^(-i/half);
+    none (or s <= 1): f_i; pi: f_i / s; ntk: theta raised to theta * s^(rot / (rot - 2)), rot = 2 half;
+    yarn: r_i = L0 f_i / 2pi, g_i = clip((r_i - 1) / 31, 0, 1), f_i ((1 - g_i) / s + g_i), and cos and
+    sin times 0.1 ln s + 1."""
+    kind, s, base = scaling
+    i = torch.arange(half, dtype=torch.float64)
+    f = torch.pow(torch.tensor(float(theta), dtype=torch.float64), -i / half)
+    if kind == "none" or s <= 1.0:
+        return f, 1.0
+    if kind == "pi":
+        return f / s, 1.0
+    if kind == "ntk":
+        rot = 2 * half
+        return torch.pow(torch.tensor(float(theta) * s ** (rot / (rot - 2)), dtype=torch.float64), -i / half), 1.0
+    if kind == "yarn":
+        g = ((base * f / (2 * math.pi) - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
+        return f * ((1.0 - g) / s + g), 0.1 * math.log(s) + 1.0
+    raise ValueError(f"rope_scaling type {kind!r}: use none, pi, ntk or yarn")
+
+
+def rope_tables(config: MoelabConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for ``positions`` [b, s]: [b, s, 1, half] each, in fp32 as moelab computes them."""
+    half = int(config.head_dim * config.rope_fraction) // 2
+    sc = config.rope_scaling or {}
+    scaling = (sc.get("type", "none"), float(sc.get("factor", 1.0)), int(sc.get("original_max_position_embeddings", 0)))
+    f, mscale = rope_frequencies(half, config.rope_theta, scaling)
+    angles = positions.float()[..., None] * f.to(torch.float32).to(positions.device)
+    return (torch.cos(angles) * mscale)[:, :, None, :], (torch.sin(angles) * mscale)[:, :, None, :]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, hd]; rotates the first 2 * half dims (cos, sin: [b, s, 1, half]), pairing i with i + half."""
+    half = cos.shape[-1]
     x32 = x.float()
-    x1, x2, rest = x32[..., :half], x32[..., half:rot], x32[..., rot:]
+    x1, x2, rest = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
 class MoelabAttention(nn.Module):
     def __init__(self, config: MoelabConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.heads, self.hd = config.num_attention_heads, config.head_dim
         self.kv = config.layer_kv_heads[layer]
-        self.window = config.layer_windows[layer]
-        self.eps, self.fraction, self.theta = config.rms_norm_eps, config.rope_fraction, config.rope_theta
+        self.eps = config.rms_norm_eps
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.heads * self.hd, bias=False)
         self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
         self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.heads * self.hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seen: torch.Tensor, cache=None):
+        """x: [b, s, d]; ``seen``: [b, s, t] which of the t keys (the cache's and these) each query may see."""
         b, s, _ = x.shape
-        pos = torch.arange(s, device=x.device)
         q = self.q_proj(x).view(b, s, self.heads, self.hd)
         k = self.k_proj(x).view(b, s, self.kv, self.hd)
         v = self.v_proj(x).view(b, s, self.kv, self.hd)
-        q = rope(rms_norm(q, None, self.eps), pos, self.fraction, self.theta)
-        k = rope(rms_norm(k, None, self.eps), pos, self.fraction, self.theta)
+        q = rope(rms_norm(q, None, self.eps), cos, sin)
+        k = rope(rms_norm(k, None, self.eps), cos, sin).transpose(1, 2)  # [b, kv, s, hd]
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)  # [b, kv, t, hd]
         g = self.heads // self.kv
         q = q.view(b, s, self.kv, g, self.hd).permute(0, 2, 3, 1, 4)  # [b, kv, g, s, hd]
-        k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # [b, kv, 1, s, hd]
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.hd**-0.5
-        i, j = pos[:, None], pos[None, :]
-        seen = j <= i
-        if self.window:
-            seen = seen & (i - j < self.window)
-        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v)  # [b, kv, g, s, hd]
+        scores = torch.matmul(q.float(), k.float()[:, :, None].transpose(-1, -2)) * self.hd**-0.5
+        # the lowest finite value, not -inf: a padded query that sees no key gets finite (unused) outputs
+        scores = scores.masked_fill(~seen[:, None, None], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v[:, :, None])  # [b, kv, g, s, hd]
         return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, s, self.heads * self.hd))
 
 
@@ -155,8 +190,8 @@ class MoelabLayer(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(config.hidden_size))
         self.mlp = MoelabMoE(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.attn_norm, self.eps))
+    def forward(self, x: torch.Tensor, cos, sin, seen, cache=None) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, seen, cache)
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
@@ -177,10 +212,44 @@ class MoelabModel(MoelabPreTrainedModel):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_init()
 
-    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of ``input_ids`` [b, s], after the ``cache``'s past tokens (if any).
+
+        ``attention_mask``: [b, past + s], 1 for a real token (None: all real). Positions (unless given)
+        count the real tokens before each one; a query sees the real keys at or before its slot, and
+        on a local layer only the last ``window`` slots (a row's real tokens are contiguous, so slots
+        and positions differ by a constant)."""
+        b, s = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        t = past + s
+        dev = input_ids.device
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, t):
+            raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}; expected a 2-D mask [{b}, {t}] "
+                             "(1 = a token, 0 = padding) over the past and the new tokens")  # fmt: skip
+        real = attention_mask.bool() if attention_mask is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+        if position_ids is None:
+            position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        position_ids = position_ids.expand(b, s)
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"{int(position_ids.max()) + 1} tokens: the model's context is {self.config.max_position_embeddings}"
+            )
+        cos, sin = rope_tables(self.config, position_ids)
+        i = torch.arange(past, t, device=dev)[:, None]
+        j = torch.arange(t, device=dev)[None, :]
+        causal = (j <= i)[None] & real[:, None, :]  # [b, s, t]
+        masks: dict[int, torch.Tensor] = {}
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        for layer, window in zip(self.layers, self.config.layer_windows, strict=True):
+            if window not in masks:
+                masks[window] = causal & (i - j < window)[None] if window else causal
+            x = layer(x, cos, sin, masks[window], cache)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
 
@@ -194,24 +263,28 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):  # no cache: the whole
-        return {"input_ids": input_ids, "attention_mask": attention_mask}  # sequence each step
-
     def forward(
         self,
         input_ids: torch.LongTensor,
-        labels: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
         **kwargs,
     ):
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("padded batches are not supported: give one prompt, or prompts of the same length")
-        if input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{input_ids.shape[1]} tokens: the model's context is {self.config.max_position_embeddings}"
-            )
-        logits = self.lm_head(self.model(input_ids)).float()
+        """Logits [b, s, vocab] (the last ``logits_to_keep`` positions if > 0). With ``use_cache`` (or a
+        ``past_key_values`` given) the keys and values are kept in a ``DynamicCache``, returned as
+        ``past_key_values``; ``generate()`` does this for every step."""
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        cache = past_key_values if use_cache is not False else None
+        hidden = self.model(input_ids, attention_mask, position_ids, cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
