@@ -139,7 +139,7 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
         {"context": "import ", "choices": ["os", "zz"], "answer": 0},
         {"context": "for i in ", "continuation": "range(10):"},
     ]))  # fmt: skip
-    sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=4", "train.eval_every=2"]
+    sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=4", "train.eval_every=2", "model.seq_len=64"]
     bad = tmp_path / "bad-run"
     with pytest.raises(UsageError, match="train.task_evals: 'nosuch' is neither"):
         train(load_config("tiny", sets + ["train.task_evals=[nosuch]"]), bad, progress=False)
@@ -154,3 +154,11 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
         assert evals[-1]["tasks"]["mine"][k] == offline[k]
     assert evals[-1]["tasks"]["mine"]["bpb"] == pytest.approx(offline["bpb"], rel=1e-5)
     assert "task-mine" in dict(run_plots(run))
+    # the retrieval task at the model's whole context, keys at both ends; past the context: one line
+    from moelab.eval.tasks import evaluate_retrieval
+
+    got = evaluate_retrieval(run, [64], (0.0, 1.0), n=2, progress=False)
+    assert set(got["acc"]) == {"64@0", "64@1"} and all(v in (0.0, 0.5, 1.0) for v in got["acc"].values())
+    assert (run / "evals" / "step_00000004-retrieval.json").is_file()
+    with pytest.raises(UsageError, match="--retrieval: 128 tokens; give lengths from 16 to the model's context, 64"):
+        evaluate_retrieval(run, [128], progress=False)

@@ -196,6 +196,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str, flag: str, kind):
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: {text!r} is not a comma-separated list of numbers") from None
+
+
+def _retrieval(args: argparse.Namespace) -> int:
+    import json as _json
+
+    from moelab.eval.tasks import evaluate_retrieval
+
+    lengths, depths = _numbers(args.retrieval, "--retrieval", int), _numbers(args.depths, "--depths", float)
+    if not lengths or not depths:
+        raise UsageError("--retrieval: give lengths in tokens, such as --retrieval 256,1024")
+    res = evaluate_retrieval(args.run_dir, lengths, depths, args.examples, args.checkpoint, progress=not args.json)
+    if args.json:
+        print(_json.dumps(res, indent=1))
+        return 0
+    print(f"{args.run_dir} at step {res['step']}: retrieval accuracy, {res['n']} examples a cell (chance 0.25)")
+    print(f"  {'tokens':>8} " + "".join(f"{'depth ' + format(d, 'g'):>11}" for d in depths))
+    for n in lengths:
+        print(f"  {n:>8} " + "".join(f"{res['acc'][f'{n}@{d:g}']:>11.3f}" for d in depths))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import json as _json
 
@@ -205,6 +231,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _harness(args)
     if args.limit is not None:
         raise UsageError("--limit: only with --harness (at most N examples per lm-eval task)")
+    if args.retrieval is not None:
+        return _retrieval(args)
     if args.tasks:
         from moelab.eval.tasks import evaluate_tasks
 
@@ -378,5 +406,15 @@ def register(sub) -> None:
         "nothing is downloaded; results in evals/step_N-harness.json",
     )
     p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: at most N examples per task")
+    p.add_argument(
+        "--retrieval",
+        metavar="LENGTH,...",
+        help="the long-context retrieval task (a key planted at --depths of held-out code, asked for at the end; "
+        "chance 0.25) generated for the run's tokenizer at these lengths in tokens; evals/step_N-retrieval.json",
+    )
+    p.add_argument("--depths", default="0.1,0.5,0.9", metavar="D,...", help="with --retrieval: where the key is (0-1)")
+    p.add_argument(
+        "--examples", type=positive_int, default=16, metavar="N", help="with --retrieval: per length and depth"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
