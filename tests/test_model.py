@@ -445,8 +445,8 @@ def test_unstacked_layers_have_the_gradients_of_their_slices():
 @pytest.mark.parametrize(
     "dtype,dispatch",
     [
-        ("float32", "dropless"),
-        ("bfloat16", "spill"),  # capacity, then spill to the next choices
+        pytest.param("float32", "dropless", marks=pytest.mark.slow),
+        ("bfloat16", "spill"),  # capacity, then spill to the next choices; bf16 the harder case
         pytest.param("float32", "capacity", marks=pytest.mark.slow),
         pytest.param("bfloat16", "dropless", marks=pytest.mark.slow),
     ],
@@ -467,7 +467,8 @@ def test_router_logits_at_plus_and_minus_100_give_finite_losses_and_gradients(dt
         spread = 1e-3 * jax.random.normal(jax.random.PRNGKey(2), (1, m.n_routed))
         p["layers"]["router"] = jnp.broadcast_to(1e3 * (v + spread), p["layers"]["router"].shape).astype(jnp.float32)
         tokens = jax.random.randint(jax.random.PRNGKey(3), (4, 17), 0, 64)
-        (loss, (metrics, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, st, tokens[:, :-1], tokens[:, 1:], m)
+        step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=4)  # one compile, not op by op
+        (loss, (metrics, _)), grads = step(p, st, tokens[:, :-1], tokens[:, 1:], m)
         assert np.isfinite(float(loss)), (coef, float(loss))
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads)), coef
         assert np.isfinite(float(metrics["aux_loss"])) and np.isfinite(float(metrics["layers"]["router_entropy"][0]))

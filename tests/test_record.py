@@ -381,6 +381,9 @@ def _fenced_sets(corpus) -> list[str]:
             "train.eval_every=6", "train.forecast_update_every=0"]  # fmt: skip
 
 
+# slow (two processes, one frozen, ~20 s each): a frozen runner that lost its lease is checked in-process by
+# default (test_a_frozen_runner_that_lost_its_lease_commits_nothing), a save stopped at each stage in test_checkpoint
+@pytest.mark.slow
 @pytest.mark.parametrize("freeze", ["stop@3", "stop_in_save@4"], ids=["mid-step", "mid-save"])
 def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads(
     corpus, tmp_path, monkeypatch, straight_run, freeze

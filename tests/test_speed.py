@@ -76,7 +76,7 @@ def _loss_and_grads(cfg, key=0):
         # remat: a scan over 2 local/global periods, then the last layer unrolled; 3 chunks of the
         # 4 x 32 = 128 tokens, the last padded
         (["model.n_layers=5"], ["model.remat=layer", "model.ce_chunk=48"]),
-        ([], ["model.ce_chunk=48"]),
+        pytest.param([], ["model.ce_chunk=48"], marks=pytest.mark.slow),  # the chunks alone; the case above has them
     ],
 )
 def test_memory_options_equal_the_reference_step(shape, options):

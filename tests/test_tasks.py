@@ -154,6 +154,9 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
         assert evals[-1]["tasks"]["mine"][k] == offline[k]
     assert evals[-1]["tasks"]["mine"]["bpb"] == pytest.approx(offline["bpb"], rel=1e-5)
     assert "task-mine" in dict(run_plots(run))
+    from moelab.train.trackers import _flat  # what W&B and TensorBoard are given
+
+    assert _flat(evals[-1])["tasks/mine/acc"] == evals[-1]["tasks"]["mine"]["acc"]
     # the retrieval task at the model's whole context, keys at both ends; past the context: one line
     from moelab.eval.tasks import evaluate_retrieval
 

@@ -156,6 +156,7 @@ def reference_run(corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the supervisor test below kills twice, resumes and equals the same reference
 def test_resume_after_sigkill_equals_uninterrupted(corpus, reference_run, tmp_path):
     out = tmp_path / "run"
     res = _train_cli(corpus, out, env={"MOELAB_TEST_FAULTS": "kill@15"})
@@ -169,6 +170,7 @@ def test_resume_after_sigkill_equals_uninterrupted(corpus, reference_run, tmp_pa
     assert kinds.count("launch") == 2 and "resume" in kinds and kinds[-1] == "end"
 
 
+@pytest.mark.slow  # a save stopped at each of its stages, SIGKILL included: tests/test_checkpoint.py
 def test_kill_during_checkpoint_save_is_ignored_on_resume(corpus, reference_run, tmp_path):
     out = tmp_path / "run"
     res = _train_cli(corpus, out, env={"MOELAB_TEST_FAULTS": "kill_in_save@20"})

@@ -187,6 +187,15 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
                 lw=1.5 if d == "macro" else 1,
                 label=f"held-out {d}",
             )
+        # a long-context phase: where each length starts (a resume repeats its length's event: not a change)
+        seen = sorted(
+            {(e["step"], e["seq_len"]) for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "context"}
+        )
+        for (_, before), (step, length) in zip(seen, seen[1:], strict=False):
+            if length != before:
+                ax.axvline(step, color="0.5", ls=":", lw=1)
+                ax.annotate(f"{length} tokens from here", (step, 0.98), xycoords=("data", "axes fraction"),
+                            fontsize=7, ha="right", va="top", rotation=90)  # fmt: skip
         forecast = run_dir / "forecast.json"
         if forecast.exists():
             f = json.loads(forecast.read_text())
