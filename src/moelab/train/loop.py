@@ -234,20 +234,7 @@ def train(
     if problems := cfg.check_vocab() + backend_problems(cfg.model):
         raise ConfigError(problems)
     job = _Job(cfg, run, _mesh(cfg), progress, trackers)  # a bad mesh is refused before anything is written
-    if cfg.train.task_evals:  # a task file that is not one is refused before anything is written
-        from moelab.eval.tasks import load_tasks
-
-        every = load_tasks(cfg.train.task_evals, "train.task_evals")
-        from moelab.eval.builtin import BUILTIN, builtin_task
-
-        if set(cfg.train.task_evals) & set(BUILTIN):  # made from documents held out at the manifest's fraction
-            made = json.loads((builtin_task(BUILTIN[0]).parent / "tasks.json").read_text())["held_out_fraction"]
-            if cfg.data.held_out_fraction < made:
-                say(f"note: the built-in tasks come from documents held out at data.held_out_fraction {made:g}; "
-                    f"this run holds out {cfg.data.held_out_fraction:g}, so it may train on some of them", True)  # fmt: skip
-        n = cfg.train.task_eval_examples  # evenly spread over each file, the same ones at every evaluation
-        job.task_sets = {k: [v[i] for i in np.linspace(0, len(v) - 1, n).round().astype(int)] if 0 < n < len(v) else v
-                         for k, v in every.items()}  # fmt: skip
+    job.task_sets = _task_sets(cfg)  # a task file that is not one is refused before anything is written
     job.prepare_data()
     job.build_or_restore(resume)
     job.launch(on_forecast_update)
@@ -268,6 +255,25 @@ def train(
         if not ended:
             job.ckpts.abandon()  # a failing run still waits for a save in flight; its own error is the one raised
     return job.finish()
+
+
+def _task_sets(cfg: Config) -> dict:
+    """train.task_evals' examples, ``train.task_eval_examples`` of each evenly spread over its file (the
+    same ones at every evaluation); a run holding out less than the built-in tasks' documents is told so."""
+    if not cfg.train.task_evals:
+        return {}
+    from moelab.eval.builtin import BUILTIN, builtin_task
+    from moelab.eval.tasks import load_tasks
+
+    every = load_tasks(cfg.train.task_evals, "train.task_evals")
+    if set(cfg.train.task_evals) & set(BUILTIN):  # made from documents held out at the manifest's fraction
+        made = json.loads((builtin_task(BUILTIN[0]).parent / "tasks.json").read_text())["held_out_fraction"]
+        if cfg.data.held_out_fraction < made:
+            say(f"note: the built-in tasks come from documents held out at data.held_out_fraction {made:g}; "
+                f"this run holds out {cfg.data.held_out_fraction:g}, so it may train on some of them", True)  # fmt: skip
+    n = cfg.train.task_eval_examples
+    return {k: [v[i] for i in np.linspace(0, len(v) - 1, n).round().astype(int)] if 0 < n < len(v) else v
+            for k, v in every.items()}  # fmt: skip
 
 
 class _Job:
