@@ -36,7 +36,7 @@ def pipeline(corpus, tmp_path_factory):
     )
     rungs, target_cfg = ladder_steps(str(root / "micro.yaml"), progress=False)
     # three one-seed rungs give the run spread one degree of freedom: a noise floor measured apart supplies the rest
-    fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg, floor={"sd": 0.01, "dof": 4}, n_boot=60)
+    fc = forecast_step("fc", [output_of(r) for r in rungs], target_cfg, floor={"sd": 0.01, "dof": 4}, n_boot=20)
     target = train_step("target", target_cfg, forecast=output_of(fc) / "forecast.json", progress=False)
     health = health_step("health", output_of(target))
     exp = Experiment(
