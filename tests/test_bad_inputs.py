@@ -205,6 +205,7 @@ CASES = [
     ("change {f}/exp45_train.py --what x --why y --step 51 --prefix {t}/lab", "--step"),
     ("change {f}/exp45_train.py --what x --why y --step -1 --prefix {t}/lab", "--step"),
     ("report --prefix /nonexistent-moelab --out {t}/site", "--prefix"),
+    ("report --prefix {t} --out {f}/good.csv", "--out"),
 ]
 
 
@@ -292,3 +293,12 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(env, capsys):
     assert main(["train", "--resume", "--out", str(env["run"]), "--quiet"]) == 0
     assert "the run is finished (step 6 of 6)" in capsys.readouterr().err
     assert snapshot(env["run"]) == before  # no event appended, no summary rewritten
+
+
+def test_status_on_a_fresh_checkout_says_nothing_has_run(tmp_path, monkeypatch, capsys):
+    """No runs/lab yet (the default prefix): said, exit 0; a --prefix given that does not exist is bad input."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 0
+    assert "nothing has run here yet: runs/lab does not exist" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()
+    assert main(["status", "--prefix", str(tmp_path / "typo")]) == 2

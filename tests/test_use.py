@@ -103,14 +103,18 @@ def test_bad_input_is_one_line_and_exit_2(sigmoid_run, tmp_path, capsys):
         (["sample", str(tmp_path), "--prompt", "x"], "no config.json"),
         (["export", "safetensors", str(no_ckpt), "--out", str(tmp_path / "w.safetensors")], "no complete checkpoint"),
         (["export", "hf", str(sigmoid_run), "--out", str(sigmoid_run)], "already exists"),
-        (["export", "hf", str(sigmoid_run), "--out", str(tmp_path / "no" / "such")], "parent directory"),
+        (
+            ["export", "hf", str(sigmoid_run), "--out", str(tmp_path / "w.safetensors" / "such")],
+            "is a file, not a folder",
+        ),
     ]
+    (tmp_path / "w.safetensors").write_text("not a folder")
     for args, msg in cases:
         capsys.readouterr()
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], (args, err)
-    assert not (tmp_path / "w.safetensors").exists()
+    assert (tmp_path / "w.safetensors").read_text() == "not a folder"
 
 
 def test_export_safetensors_holds_the_checkpoint_under_documented_names(sigmoid_run, tmp_path):
@@ -118,7 +122,7 @@ def test_export_safetensors_holds_the_checkpoint_under_documented_names(sigmoid_
 
     from moelab.export.hf import SAFETENSORS_NAMES
 
-    out = tmp_path / "weights.safetensors"
+    out = tmp_path / "new" / "weights.safetensors"  # its folder made, as `moelab train` makes its --out's
     assert main(["export", "safetensors", str(sigmoid_run), "--out", str(out), "--checkpoint", "10"]) == 0
     t = load_trained(sigmoid_run, 10)
     with safe_open(str(out), "np") as f:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from moelab.errors import UsageError
 
+DEFAULT_PREFIX = "runs/lab"  # where `moelab run` keeps step outputs and journals unless told otherwise
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     from moelab.lab.commands import dry_run, load_experiment
@@ -46,6 +48,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from moelab.lab.commands import status_rows
 
     if not Path(args.prefix).is_dir():
+        if args.prefix == DEFAULT_PREFIX and not Path(args.prefix).exists():  # a fresh checkout: nothing yet
+            print(f"nothing has run here yet: {args.prefix} does not exist (`moelab run EXPERIMENT` or `make demo` "
+                  "writes it)")  # fmt: skip
+            return 0
         raise UsageError(f"--prefix: no such directory {args.prefix}; give the prefix `moelab run` wrote to")
     rows = status_rows(Path(args.prefix))
     if not rows:
@@ -92,10 +98,12 @@ def cmd_change(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from moelab.report.site import build_site
 
-    prefix = Path(args.prefix)
+    prefix, out = Path(args.prefix), Path(args.out)
     if not prefix.is_dir():
         raise UsageError(f"--prefix: no such directory {prefix}; give the prefix `moelab run` wrote to")
-    index = build_site(prefix, Path(args.out))
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file; the site is a folder (index.html and a page per experiment)")
+    index = build_site(prefix, out)
     print(f"site: {index}")
     return 0
 
@@ -109,7 +117,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("run", help="run an experiment's steps, reusing finished ones; record it in the journal")
     p.add_argument("experiment", help="experiments/exp<issue>_<slug>.py")
-    p.add_argument("--prefix", default="runs/lab", help="where step outputs and journals live (default runs/lab)")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.add_argument("--dry-run", action="store_true", help="print the graph, FLOPs and time; run nothing")
     p.add_argument("--only", metavar="REGEX", help="only steps whose name matches (and what they need)")
     p.add_argument("--force", metavar="REGEX", help="run matching steps again even if they succeeded")
@@ -124,12 +132,12 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("status", help="experiments under a prefix and their steps")
-    p.add_argument("--prefix", default="runs/lab")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("issue", help="GitHub-issue markdown for an experiment")
     p.add_argument("experiment")
-    p.add_argument("--prefix", default="runs/lab")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.set_defaults(func=cmd_issue)
 
     p = sub.add_parser("change", help="record a mid-run change in an experiment's journal: what, why, at which step")
@@ -137,11 +145,11 @@ def register(sub) -> None:
     p.add_argument("--what", required=True)
     p.add_argument("--why", required=True)
     p.add_argument("--step", type=int, help="the training step it takes effect at")
-    p.add_argument("--prefix", default="runs/lab")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.set_defaults(func=cmd_change)
 
     p = sub.add_parser("report", help="write the static site of every experiment under a prefix")
-    p.add_argument("--prefix", default="runs/lab")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.add_argument("--out", required=True, help="the site's folder")
     p.set_defaults(func=cmd_report)
 

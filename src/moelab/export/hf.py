@@ -44,10 +44,13 @@ SAFETENSORS_NAMES = {
 
 
 def check_out(out: Path, is_dir: bool) -> None:
+    """``--out`` is new (or an empty directory); missing parent folders are made once the export
+    starts writing, as `moelab train` makes its --out's (a file in their place is refused)."""
     if out.exists() and (not is_dir or not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: already exists; choose a new {'directory' if is_dir else 'file'} or remove it")
-    if not out.parent.exists():
-        raise UsageError(f"--out {out}: its parent directory {out.parent} does not exist")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"--out {out}: {parent} is a file, not a folder")
 
 
 def _np(a) -> np.ndarray:
@@ -152,6 +155,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
     eot = _eot(t.tokenizer_path)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # the run and checkpoint are found: now something is written
     tmp.mkdir()
     try:
         tensors = hf_tensors(t)
@@ -191,6 +195,7 @@ def export_safetensors(run_dir: str | Path, out: str | Path, step: int | None = 
     tensors.update({f"layers.{k}": _np(v) for k, v in t.params["layers"].items()})
     meta = {"format": "moelab", "step": str(t.step), "config": json.dumps(to_dict(t.cfg))}
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         save_file(tensors, str(tmp), metadata=meta)
         os.chmod(tmp, 0o644)
