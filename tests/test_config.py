@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from moelab.config import Config, ConfigError, config_from_dict, config_hash, load_config, replace
+from moelab.config import Config, ConfigError, config_from_dict, config_hash, load_config, replace, to_dict
 from moelab.presets import PRESETS
 
 
@@ -156,3 +156,70 @@ def test_cli_config_prints_the_resolved_config():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["model"]["top_k"] == 3 and len(out["hash"]) == 12
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_every_preset_round_trips_through_moelab_config(fmt, tmp_path, capsys):
+    """`moelab config X` prints a config that `moelab config` (and so train, plan and ladder, which read
+    configs the same way) accepts as it is, hash included, and prints again unchanged."""
+    from moelab.cli import main
+    from moelab.presets import PRESETS
+
+    for name in PRESETS:
+        flag = ["--yaml"] if fmt == "yaml" else []
+        assert main(["config", name, *flag]) == 0
+        first = capsys.readouterr().out
+        path = tmp_path / f"{name}.{fmt}"
+        path.write_text(first)
+        assert main(["config", str(path), *flag]) == 0
+        assert capsys.readouterr().out == first, name
+        assert config_hash(load_config(path)) == config_hash(load_config(name))
+
+
+def test_a_runs_own_config_json_loads_and_its_hash_is_checked(tiny_run, tmp_path):
+    saved = json.loads((tiny_run / "config.json").read_text())
+    cfg = load_config(tiny_run / "config.json")
+    assert config_hash(cfg) == saved["hash"] and json.loads(json.dumps(to_dict(cfg))) == saved["config"]
+    edited = json.loads(json.dumps(saved))
+    edited["config"]["model"]["d_model"] = 96
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path / "edited.json")
+    assert len(exc.value.errors) == 1 and f"hash {saved['hash']} is not its fields'" in exc.value.errors[0]
+    del edited["hash"]  # the edit kept: no hash, no check
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    assert load_config(tmp_path / "edited.json").model.d_model == 96
+
+
+def test_a_yaml_config_starts_from_a_base_and_overrides_at_any_depth(tmp_path):
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "base.yaml").write_text(
+        "base: tiny\nmodel: {d_model: 96}\ndata: {sources: {code: [a/], prose: [b/]}, text_field: {prose: body}}\n"
+    )
+    (tmp_path / "mine.yaml").write_text(  # a base relative to this file; a domain added to the mapping
+        "base: lab/base.yaml\ntrain: {steps: 7}\ndata: {sources: {web: [c/]}}\n"
+    )
+    cfg = load_config(tmp_path / "mine.yaml", ["model.top_k=1"])
+    tiny = load_config("tiny")
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.train.steps, cfg.model.top_k) == (96, tiny.model.n_layers, 7, 1)
+    assert cfg.data.sources == {"code": ("a/",), "prose": ("b/",), "web": ("c/",)}
+    assert cfg.data.text_field == {"prose": "body"}
+    (tmp_path / "loop.yaml").write_text("base: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="the chain of bases comes back"):
+        load_config(tmp_path / "loop.yaml")
+    with pytest.raises(ConfigError, match="nosuch.yaml: no such config file"):
+        load_config(_write(tmp_path / "bad.yaml", "base: nosuch.yaml\n"))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_moelab_config_refuses_what_training_would(capsys):
+    from moelab.cli import main
+
+    assert main(["config", "tiny", "--set", "model.vocab_size=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.vocab_size: 1 is below the 257 tokens" in err[0]

@@ -847,37 +847,87 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 
 
 def load_config(spec: str | Path | dict | Config, overrides: Sequence[str] = ()) -> Config:
-    """A preset name, a YAML path, a dict or a Config, then ``section.key=value`` overrides."""
-    from moelab.presets import PRESETS, preset_dict
+    """A preset name, a YAML or JSON file, a dict or a Config, then ``section.key=value`` overrides.
 
+    A file may be what `moelab config` prints (its ``hash`` is checked against the fields) or a run's
+    own config.json (``{"hash", "config"}``), and a YAML file may start from a preset or another file
+    (``base: tiny``), its sections laid over the base's field by field, at any depth."""
     if isinstance(spec, Config):
         data, source = to_dict(spec), "config"
     elif isinstance(spec, dict):
         data, source = spec, "config"
     else:
-        spec = str(spec)
-        if spec in PRESETS:
-            data, source = preset_dict(spec), f"preset {spec}"
-        elif spec.endswith((".yaml", ".yml", ".json")) or Path(spec).exists():
-            path = Path(spec)
-            if path.is_dir():
-                raise ConfigError([f"{spec}: is a directory; give a config file (YAML) or a preset"])
-            if not path.is_file():
-                raise ConfigError([f"{spec}: no such config file (or preset: {', '.join(PRESETS)})"])
-            try:
-                data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-            except UnicodeDecodeError as exc:
-                raise ConfigError([f"{spec}: not UTF-8 text (byte {exc.start}); save the config as UTF-8"]) from None
-            except OSError as exc:
-                raise ConfigError([f"{spec}: cannot read ({exc.strerror or exc})"]) from None
-            except yaml.YAMLError as exc:
-                mark = getattr(exc, "problem_mark", None)
-                where = f" line {mark.line + 1}" if mark else ""
-                raise ConfigError([f"{spec}:{where} is not valid YAML; fix the syntax"]) from None
-            source = spec
-        else:
-            raise ConfigError([f"{spec}: not a preset ({', '.join(PRESETS)}) and not a YAML file"])
+        data, source = _read_spec(str(spec), ())
+    data, expect = _unwrap(data)
+    if expect is not None:  # the hash printed with the config: the fields must still be the ones it hashed
+        got = config_hash(config_from_dict(data, source=source))
+        if got != expect:
+            raise ConfigError([f"{source}: hash {expect} is not its fields' ({got}): the config was edited after it "
+                               "was printed; delete the hash line to keep the edit"])  # fmt: skip
     return config_from_dict(apply_overrides(data, overrides), source=source)
+
+
+def _unwrap(data):
+    """(the config's sections, the hash given with them or None): a run's config.json holds
+    ``{"hash", "config"}``; `moelab config` prints the hash beside the sections."""
+    if not isinstance(data, dict):
+        return data, None
+    if "config" in data and isinstance(data["config"], dict) and set(data) <= {"hash", "config"}:
+        return data["config"], data.get("hash")
+    if "hash" in data:
+        rest = {k: v for k, v in data.items() if k != "hash"}
+        return rest, data["hash"]
+    return data, None
+
+
+def _read_spec(spec: str, seen: tuple) -> tuple[dict, str]:
+    """The plain data of a preset or a config file, its ``base`` (a preset or another file, relative
+    to this one) resolved; ``seen``: the files above it, so a chain that loops is refused."""
+    from moelab.presets import PRESETS, preset_dict
+
+    if spec in PRESETS:
+        return preset_dict(spec), f"preset {spec}"
+    if not (spec.endswith((".yaml", ".yml", ".json")) or Path(spec).exists()):
+        raise ConfigError([f"{spec}: not a preset ({', '.join(PRESETS)}) and not a YAML file"])
+    path = Path(spec)
+    if path.is_dir():
+        raise ConfigError([f"{spec}: is a directory; give a config file (YAML) or a preset"])
+    if not path.is_file():
+        raise ConfigError([f"{spec}: no such config file (or preset: {', '.join(PRESETS)})"])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{spec}: not UTF-8 text (byte {exc.start}); save the config as UTF-8"]) from None
+    except OSError as exc:
+        raise ConfigError([f"{spec}: cannot read ({exc.strerror or exc})"]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError([f"{spec}:{where} is not valid YAML; fix the syntax"]) from None
+    if not isinstance(data, dict) or "base" not in data:
+        return data, spec
+    base = data["base"]
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError([f"{spec}: base: a preset name or a config file to start from, got {_describe(base)}"])
+    here = str(path.resolve())
+    if here in seen:
+        raise ConfigError([f"{spec}: base: the chain of bases comes back to {path.name}; break the loop"])
+    if base not in PRESETS and not Path(base).is_absolute():
+        base = str(path.parent / base)
+    below, _ = _read_spec(base, (*seen, here))
+    below, _ = _unwrap(below)
+    return _lay_over(below, {k: v for k, v in data.items() if k != "base"}), spec
+
+
+def _lay_over(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: mappings merged key by key at every depth, anything else replaced."""
+    out = json.loads(json.dumps(base))
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _lay_over(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 # ---------------------------------------------------------------- validation

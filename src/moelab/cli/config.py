@@ -56,10 +56,19 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from moelab.config import config_hash
+    from moelab.config import ConfigError, config_hash
+    from moelab.model.transformer import backend_problems
 
     cfg = load_config(args.config, args.overrides)
-    print(json.dumps({"hash": config_hash(cfg), **to_dict(cfg)}, indent=1))
+    if problems := cfg.check_vocab() + backend_problems(cfg.model):  # what training would refuse, refused here
+        raise ConfigError(problems)
+    out = {"hash": config_hash(cfg), **to_dict(cfg)}  # `moelab config`, train, plan and ladder read it back as it is
+    if args.yaml:
+        import yaml
+
+        print(yaml.safe_dump(out, sort_keys=False), end="")
+    else:
+        print(json.dumps(out, indent=1))
     return 0
 
 
@@ -82,8 +91,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_flops)
 
-    p = sub.add_parser("config", help="print a validated config as JSON, with its hash")
+    p = sub.add_parser("config", help="print a validated config as JSON (or --yaml), with its hash")
     add_config_args(p)
+    p.add_argument("--yaml", action="store_true", help="print YAML instead of JSON")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("presets", help="list the named configs")
