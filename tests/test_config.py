@@ -223,3 +223,10 @@ def test_moelab_config_refuses_what_training_would(capsys):
     assert main(["config", "tiny", "--set", "model.vocab_size=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.vocab_size: 1 is below the 257 tokens" in err[0]
+
+
+def test_set_reaches_into_mapping_fields():
+    cfg = load_config("tiny", ["data.text_field.prose=body", "data.sources.code=[a/, b/]"])
+    assert cfg.data.text_field == {"prose": "body"} and cfg.data.sources == {"code": ("a/", "b/")}
+    with pytest.raises(ConfigError, match="model.d_model is not a mapping; set it whole"):
+        load_config("tiny", ["model.d_model.x=1"])

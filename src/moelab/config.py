@@ -825,8 +825,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError([f"--set {item}: expected section.key=value, for example model.d_model=256"])
     key, raw = item.split("=", 1)
     path = key.strip().split(".")
-    if len(path) != 2 or not all(path):
-        raise ConfigError([f"--set {key}: expected section.key, for example model.top_k"])
+    if len(path) < 2 or not all(path):
+        raise ConfigError(
+            [f"--set {key}: expected section.key, for example model.top_k (or deeper: data.text_field.web)"]
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -839,10 +841,17 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     data = json.loads(json.dumps(data))  # deep copy of plain data
     for item in overrides:
-        (section, key), value = parse_override(item)
+        (section, *keys), value = parse_override(item)
         if section not in SECTIONS:
-            raise ConfigError([f"{section}.{key}: unknown section {section!r} (known: {', '.join(SECTIONS)})"])
-        data.setdefault(section, {})[key] = value
+            raise ConfigError([f"{section}.{keys[0]}: unknown section {section!r} (known: {', '.join(SECTIONS)})"])
+        node = data.setdefault(section, {})
+        for depth, key in enumerate(keys[:-1]):  # a field that is a mapping, set one key deep (or deeper)
+            inner = node.setdefault(key, {})
+            if not isinstance(inner, dict):
+                where = ".".join([section, *keys[: depth + 1]])
+                raise ConfigError([f"--set {item.split('=', 1)[0]}: {where} is not a mapping; set it whole"])
+            node = inner
+        node[keys[-1]] = value
     return data
 
 
