@@ -7,6 +7,7 @@ and validated before any compute; every problem is one line that names its field
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -36,83 +37,225 @@ OFFLOADS = ("none", "optimizer", "layer_inputs", "all")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 REMATS = ("none", "layer", "each_layer")
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")  # moelab.model.layers.rope_frequencies
+EP_TRANSPORTS = ("fixed", "spill", "pooled_wave")  # moelab.parallel.ep
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("linear", "wsd", "constant")
 
 BYTE_LEVEL_BASE = 257  # a byte-level BPE's first tokens: 256 bytes and end-of-text
+
+
+def _f(default: Any, meaning: str, choices: tuple = ()) -> Any:
+    """A config field with its meaning, and its allowed values where they are a fixed set: the one
+    source of `moelab config --explain` and the generated reference (``explain``). Metadata enters no
+    comparison, no ``to_dict`` and no hash."""
+    meta = {"help": meaning, **({"choices": tuple(choices)} if choices else {})}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     # shape
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2  # kv heads of global layers (of every layer when there is no window)
-    n_kv_heads_local: int = 0  # kv heads of sliding-window layers; 0 = n_kv_heads
-    head_dim: int = 0  # 0 = d_model // n_heads
-    vocab_size: int = 2048
-    seq_len: int = 128
+    d_model: int = _f(
+        128,
+        "Width of the residual stream (the model dimension): embeddings, attention, router and shared experts work at it.",
+    )
+    n_layers: int = _f(4, "Transformer blocks, each attention then a mixture of experts (every layer is MoE).")
+    n_heads: int = _f(4, "Query heads per attention layer. With head_dim 0 they must divide d_model.")
+    n_kv_heads: int = _f(
+        2,
+        "Key/value heads of the global layers (of every layer when there is no sliding window): grouped-query "
+        "attention, so it must divide n_heads.",
+    )
+    n_kv_heads_local: int = _f(
+        0,
+        "Key/value heads of the sliding-window (local) layers; 0 = n_kv_heads. Must divide n_heads, and with a "
+        "window it and n_kv_heads must divide one another.",
+    )
+    head_dim: int = _f(0, "Size of each attention head; 0 = d_model // n_heads. Must be even (rotary embedding).")
+    vocab_size: int = _f(
+        2048,
+        "Tokens in the vocabulary: rows of the embedding and of the untied LM head. With no data.tokenizer it is "
+        "the size of the byte-level BPE trained here, at least 257 (256 bytes and end-of-text).",
+    )
+    seq_len: int = _f(
+        128,
+        "Tokens per training sequence: the model's context (with a long-context phase, the longest "
+        "data.phase_seq_lens).",
+    )
     # attention
-    rope_fraction: float = 1.0  # fraction of head_dim that is rotated (1.0 or 0.5 in practice)
-    rope_theta: float = 10000.0
-    # RoPE for a context longer than the one it was trained at (rope_original_len < seq_len): none, pi
-    # (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). A
-    # long-context phase (data.phase_seq_lens) sets the original length itself. ntk: chosen by the rule
-    # registered before benchmarks/rope_scaling.py ran (results/rope_scaling.json; none, ntk and yarn tied)
-    rope_scaling: str = "ntk"
-    rope_original_len: int = 0  # 0 = seq_len: no scaling
-    sliding_window: int = 0  # 0 = every layer global
-    global_every: int = 4  # with a window: every n-th layer (and the last) is global
+    rope_fraction: float = _f(
+        1.0,
+        "Fraction of each head's dimensions that rotary embedding rotates, in (0, 1] (1.0 or 0.5 in practice); "
+        "the rotated part must be an even number of dimensions.",
+    )
+    rope_theta: float = _f(10000.0, "Base of the rotary embedding's frequencies (larger = slower rotation).")
+    rope_scaling: str = _f(
+        "ntk",
+        "How RoPE stretches to a context longer than the one it was trained at (rope_original_len < seq_len): "
+        "none, pi (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). "
+        "A long-context phase (data.phase_seq_lens) sets the original length itself. ntk was chosen by the rule "
+        "registered before benchmarks/rope_scaling.py ran (results/rope_scaling.json: none, ntk and yarn tied).",
+        ROPE_SCALINGS,
+    )
+    rope_original_len: int = _f(
+        0,
+        "The shorter context RoPE was trained at, in tokens; 0 = seq_len (no scaling). Leave it 0 with "
+        "data.phase_seq_lens, which sets it.",
+    )
+    sliding_window: int = _f(
+        0,
+        "Tokens a local layer's query attends to (sliding-window attention); 0 = every layer global. At most seq_len.",
+    )
+    global_every: int = _f(
+        4,
+        "With a sliding window: every n-th layer (and always the last) is global, the others local; 0 = only the last.",
+    )
     # experts
-    n_routed: int = 8
-    top_k: int = 2
-    expert_dim: int = 64
-    n_shared: int = 1
-    shared_dim: int = 128
-    latent_dim: int = 0  # 0 = routed experts on the full width
+    n_routed: int = _f(8, "Routed experts per layer (SwiGLU), of which the router picks top_k per token.")
+    top_k: int = _f(2, "Routed experts each token is sent to, at most n_routed.")
+    expert_dim: int = _f(64, "Hidden width of each routed expert (SwiGLU).")
+    n_shared: int = _f(
+        1, "Shared experts per layer, which every token passes through beside its routed ones; 0 = none."
+    )
+    shared_dim: int = _f(128, "Hidden width of each shared expert (SwiGLU); must be > 0 when n_shared > 0.")
+    latent_dim: int = _f(
+        0,
+        "Width of the routed experts' latent space: the routed path projects d_model down to it (then RMSNorm), "
+        "runs the experts there and projects back; router and shared experts stay on the full width. 0 = routed "
+        "experts on the full width. At most d_model.",
+    )
     # router
-    router: str = "softmax"
-    bias_update: str = "none"
-    bias_rate: float = 1e-3  # step of the sign update
-    routed_scale: float = 1.0  # sigmoid router: routed gates sum to this
-    aux_loss_coef: float = 0.0
-    router_z_loss_coef: float = 0.0
-    logit_z_loss: float = 1e-4
+    router: str = _f(
+        "softmax",
+        "Router scores (in fp32): softmax (top-k, gates renormalised to sum to 1) or sigmoid (top-k on "
+        "bias-adjusted logits, gates from the unbiased scores renormalised to routed_scale).",
+        ROUTERS,
+    )
+    bias_update: str = _f(
+        "none",
+        "Balancing bias (state, never trained; it changes which experts are picked, not the gates), updated from "
+        "each batch for the next step: quantile (Marin: each expert's bias lets a top_k / n_routed fraction of "
+        "tokens pick it), sign (DeepSeek-V3: +/- bias_rate by under- or over-load) or none.",
+        BIAS_UPDATES,
+    )
+    bias_rate: float = _f(1e-3, "Step of the sign bias update (bias_update: sign), added or subtracted each step.")
+    routed_scale: float = _f(
+        1.0,
+        "Sigmoid router: a token's routed gates are renormalised to sum to this (Marin: 2.5); the softmax router "
+        "always sums to 1.",
+    )
+    aux_loss_coef: float = _f(
+        0.0,
+        "Weight of the Switch load-balancing loss (n_routed x sum of load share x mean probability, 1.0 when "
+        "balanced) in the training loss; 0 = left out (it is still logged).",
+    )
+    router_z_loss_coef: float = _f(
+        0.0,
+        "Weight of the router z-loss (mean over tokens of logsumexp(router logits)^2) in the training loss; "
+        "0 = left out (it is still logged).",
+    )
+    logit_z_loss: float = _f(
+        1e-4,
+        "Weight of the LM head's logit z-loss (mean of logsumexp(logits)^2), which keeps the output logits from "
+        "drifting; 0 = off.",
+    )
     # dispatch
-    dispatch: str = "dropless"
-    # how dropless computes: ragged_dot (grouped matmuls), blocks (batched), loop (over used blocks);
-    # auto: ragged_dot on GPU and TPU, loop or blocks on CPU by the experts' size
-    moe_impl: str = "auto"
-    # attention: blocked (moelab's query blocks; XLA:CPU's fastest below 2048 tokens), flash (blocks with an
-    # online softmax, no [s, s] buffer), xla or cudnn (jax.nn.dot_product_attention; cudnn = the fused flash
-    # kernel); auto: cudnn on NVIDIA GPUs, elsewhere blocked below 2048 tokens and flash from there
-    attention_impl: str = "auto"
-    eval_dispatch: str = ""  # "" = same as dispatch
-    capacity_factor: float = 1.25
-    drop_order: str = "position"
-    # tokens per capacity group; 0 = each device's tokens (Marin's grouping; the whole batch on one device)
-    capacity_group: int = 0
-    spill_choices: int = 8  # spill: an overflowing assignment tries at most this many next-ranked experts; 0 = all
-    ep_transport: str = "fixed"  # expert parallel (mesh.expert > 1): fixed, spill or pooled_wave
-    ep_waves: int = 3  # pooled_wave: waves per exchange
+    dispatch: str = _f(
+        "dropless",
+        "How tokens reach their experts in training: dropless (every assignment computed), capacity "
+        "(ceil(capacity_factor x tokens x top_k / n_routed) slots per expert per group, the overflow dropped by "
+        "drop_order) or spill (as capacity, but an overflowing assignment moves to the token's next-ranked expert "
+        "with room, trying at most spill_choices).",
+        DISPATCHES,
+    )
+    moe_impl: str = _f(
+        "auto",
+        "How dropless dispatch computes: ragged (jax.lax.ragged_dot, grouped matmuls), blocks (batched "
+        "expert-pure blocks), loop (over the used blocks only); auto = ragged on GPU and TPU, loop or blocks on "
+        "CPU by the experts' size.",
+        MOE_IMPLS,
+    )
+    attention_impl: str = _f(
+        "auto",
+        "Attention path: blocked (moelab's causal query blocks; XLA:CPU's fastest below 2048 tokens), flash (blocks "
+        "with an online softmax, no [seq, seq] buffer), xla or cudnn (jax.nn.dot_product_attention; cudnn = the "
+        "fused flash kernel, NVIDIA GPU in bfloat16 or float16 only); auto = cudnn on NVIDIA GPUs in bfloat16, "
+        "elsewhere blocked below 2048 tokens and flash from there.",
+        ATTENTION_IMPLS,
+    )
+    eval_dispatch: str = _f(
+        "",
+        "Dispatch outside training (evaluation, sampling), so a model trained with drops can be evaluated dropless; "
+        '"" = the same as dispatch.',
+        ("",) + DISPATCHES,
+    )
+    capacity_factor: float = _f(
+        1.25,
+        "Capacity and spill dispatch (and the expert-parallel transports): each expert gets "
+        "ceil(capacity_factor x group tokens x top_k / n_routed) slots per group, never more than the group's "
+        "tokens. A finite number > 0.",
+    )
+    drop_order: str = _f(
+        "position",
+        "Which assignments an over-full expert keeps: position (first tokens first served) or score (the highest "
+        "router scores; the lowest dropped first).",
+        DROP_ORDERS,
+    )
+    capacity_group: int = _f(
+        0,
+        "Tokens per capacity group (the unit capacity slots are counted over); 0 = each device's tokens (Marin's "
+        "grouping: the whole batch on one device). Must divide train.batch_size x seq_len (and a micro-batch's "
+        "tokens).",
+    )
+    spill_choices: int = _f(
+        8,
+        "Spill dispatch: an overflowing assignment tries at most this many next-ranked experts; 0 = all. The router "
+        "takes each token's top top_k + spill_choices experts.",
+    )
+    ep_transport: str = _f(
+        "fixed",
+        "Expert parallelism (mesh.expert > 1): how tokens travel to the devices holding their experts: fixed "
+        "(slots per sender and expert), spill (fixed, overflow moved to next-ranked experts at the sender) or "
+        "pooled_wave (one pool per destination device, sent in ep_waves waves); moelab.parallel.ep.",
+        EP_TRANSPORTS,
+    )
+    ep_waves: int = _f(3, "pooled_wave transport: waves per exchange, at least 1.")
     # numerics
-    norm_eps: float = 1e-6
-    # auto: bfloat16 on GPU and TPU (fp32 parameters and optimizer state, as Marin runs), float32 on CPU
-    # (XLA:CPU computes bf16 through fp32 and slower); resolved when a run starts (``resolve_dtype``)
-    compute_dtype: str = "auto"
-    # float32 matmuls: default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 passes on
-    # TPU), highest keeps true float32; set explicitly at the start of a run, and MFU uses the peak of
-    # the precision that runs (moelab.train.loop.device_peak)
-    matmul_precision: str = "default"
+    norm_eps: float = _f(1e-6, "Epsilon of the RMS norms, added to the mean square before its square root.")
+    compute_dtype: str = _f(
+        "auto",
+        "Dtype of activations and matmuls (parameters, optimizer state, router and norms stay float32). auto = "
+        "bfloat16 on GPU and TPU (as Marin runs), float32 on CPU (XLA:CPU computes bf16 through fp32, slower); "
+        "resolved when a run starts, and the run records the dtype it used.",
+        DTYPES,
+    )
+    matmul_precision: str = _f(
+        "default",
+        "Precision of float32 matmuls: default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 "
+        "passes on TPU), high or highest keep more of float32. Set at the start of a run; MFU uses the peak of the "
+        "precision that runs (moelab.train.loop.device_peak).",
+        MATMUL_PRECISIONS,
+    )
     # memory for large models
-    # layer: keep only the input of each scanned block (a period of the local/global pattern) and recompute
-    # the block in the backward pass; each_layer: the same, and the block's recomputation keeps its layers'
-    # inputs and recomputes them one at a time (a block's residuals never live at once; one more forward
-    # pass of compute: XLA:CPU keeps per-layer checkpoints alone only as a whole period, measured)
-    remat: str = "none"
-    # layers as a lax.scan over whole local/global periods: compile time that does not grow with depth.
-    # auto: on an accelerator, or from SCAN_MIN_LAYERS layers (shallow CPU models step faster unrolled)
-    scan_layers: str = "auto"
-    ce_chunk: int = 0  # tokens per chunk of the LM head's cross-entropy (logits never whole); 0 = one chunk
+    remat: str = _f(
+        "none",
+        "Rematerialisation, to save activation memory: layer keeps only the input of each scanned block (a period "
+        "of the local/global pattern) and recomputes the block in the backward pass; each_layer does the same and "
+        "the block's recomputation keeps its layers' inputs and recomputes them one at a time (a block's residuals "
+        "never live at once; one more forward pass of compute); none keeps everything.",
+        REMATS,
+    )
+    scan_layers: str = _f(
+        "auto",
+        "Layers as a lax.scan over whole local/global periods, so compile time does not grow with depth: scan, "
+        "unrolled, or auto = scan on an accelerator or from 12 layers (SCAN_MIN_LAYERS) on CPU, where shallow "
+        "models step faster unrolled.",
+        SCAN_LAYERS,
+    )
+    ce_chunk: int = _f(
+        0,
+        "Tokens per chunk of the LM head's cross-entropy, so the logits are never whole in memory; 0 = one chunk.",
+    )
 
     @property
     def dtype(self) -> str:
@@ -267,7 +410,7 @@ class ModelConfig:
             )
         need(
             ("ep_transport",),
-            m.ep_transport in ("fixed", "spill", "pooled_wave"),
+            m.ep_transport in EP_TRANSPORTS,
             f"must be fixed, spill or pooled_wave, got {m.ep_transport!r}",
         )
         need(("ep_waves",), m.ep_waves >= 1, f"must be >= 1, got {m.ep_waves}")
@@ -297,59 +440,135 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
-    batch_size: int = 16
-    seed: int = 0
-    optimizer: str = "adamw"
-    lr: float | str = 3e-3  # a number, or "auto" for Marin's compute-scaled heuristic
-    lr_scale: float = 1.0  # the peak rate times this (a learning-rate sweep around a rule such as auto)
-    warmup_frac: float = 0.01
-    min_lr_ratio: float = 0.05
-    schedule: str = "linear"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
-    muon_lr_ratio: float = 13 / 3  # Muon's rate over Adam's (Marin)
-    decay_frac: float = 0.2  # WSD: the last fraction of the run decays
-    log_every: int = 10
-    eval_every: int = 0  # 0 = every 5% of the run (and step 0 and the end)
-    eval_tokens: int = 8192  # held-out tokens per domain per evaluation
-    checkpoint_every: int = 100
-    keep_last: int = 2  # newest checkpoints kept
-    keep_every: int = 0  # also keep every checkpoint at a multiple of this step for good (0 = none)
-    keep_steps: tuple[int, ...] = ()  # also checkpoint at these steps and keep them for good (branch points)
-    nan_patience: int = 3  # non-finite steps in a row before restoring the last checkpoint
-    peak_flops: float = 0.0  # for MFU; 0 = measure a matmul peak at start-up
-    poison_steps: tuple[int, ...] = ()  # testing aid: these steps' loss is made NaN
-    inject: tuple[str, ...] = ()  # faults, KIND@STEP[:ARG]: see moelab.monitor.faults
-    replans: tuple[str, ...] = ()  # horizon changes, AT:OLD->NEW steps, written by `moelab replan`
-    # with a joint-law forecast.json in the run: refit it with the run's own evaluations every this
-    # fraction of the run (0 = never); updates are recorded beside the registered forecast, never over it
-    forecast_update_every: float = 0.1
-    # trackers the metrics are mirrored to (wandb, tensorboard; `moelab train --tracker` adds to them),
-    # and W&B's project, entity and mode (online, offline, disabled); each left empty defers to the
-    # environment (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE), then to project "moelab", offline
-    trackers: tuple[str, ...] = ()
-    tracker_project: str = ""
-    tracker_entity: str = ""
-    tracker_mode: str = ""
-    # gradient accumulation: sequences per micro-step (over all devices); 0 = the whole batch in one
-    # step. The step runs batch_size / micro_batch micro-steps and one update; metrics, drops, router
-    # balancing and z-losses are the whole batch's (moelab.train.step)
-    micro_batch: int = 0
-    # host offload (memory kind pinned_host): optimizer = AdamW/Muon state kept in host memory and moved
-    # in for the update; layer_inputs = with model.remat, each rematerialised block's (or layer's) input saved
-    # to host memory; all = both (Marin's strategy on GB200)
-    offload: str = "none"
-    # checkpoints: saved in the background while training goes on (false: the step waits for each save)
-    async_checkpoint: bool = True
-    # where checkpoints go: "" = the run's ckpt/ folder; else any path Orbax's file layer takes (gs://...)
-    checkpoint_dir: str = ""
-    # tasks scored by log-likelihood at every evaluation (moelab.eval.tasks): built-in names
-    # (moelab.eval.builtin: next_line, brackets, defined_name) or JSON-lines files
-    task_evals: tuple[str, ...] = ()
-    task_eval_examples: int = 100  # examples per task in the loop, evenly spread over its file (0 = all)
+    steps: int = _f(200, "Optimizer updates in the run (the horizon the learning-rate schedule is planned over).")
+    batch_size: int = _f(
+        16,
+        "Sequences of model.seq_len tokens per step, over all devices; must split evenly over mesh.data x mesh.expert.",
+    )
+    seed: int = _f(
+        0,
+        "Seed of the parameters' initialisation and of the data order (batches are a function of seed and step); in [0, 2**32).",
+    )
+    optimizer: str = _f(
+        "adamw",
+        "adamw (decoupled weight decay), or muon (Muon for the attention and expert matrices, AdamW for the rest: "
+        "embeddings, head, router, norms).",
+        OPTIMIZERS,
+    )
+    lr: float | str = _f(
+        3e-3,
+        "Peak learning rate (AdamW's, reached at the end of warmup): a number, or auto for Marin's compute-scaled "
+        "heuristic, which also sets Adam's beta2 and epsilon from the run's tokens, batch and d_model.",
+    )
+    lr_scale: float = _f(
+        1.0,
+        "The peak rate (Adam's and Muon's) times this: a learning-rate sweep around a rule such as auto. A number > 0.",
+    )
+    warmup_frac: float = _f(0.01, "Fraction of the steps with a linear warmup to the peak rate, in [0, 1).")
+    min_lr_ratio: float = _f(
+        0.05,
+        "Where the decay ends, as a fraction of the peak rate, in [0, 1]: the linear and wsd schedules reach it on "
+        "the last step.",
+    )
+    schedule: str = _f(
+        "linear",
+        "Learning rate after warmup: linear (decays from the peak to min_lr_ratio x peak over the rest of the run), "
+        "wsd (warmup-stable-decay: constant, then the last decay_frac of the run decays linearly) or constant.",
+        SCHEDULES,
+    )
+    weight_decay: float = _f(
+        0.1, "Decoupled weight decay (AdamW and Muon), not applied to the embedding or the norms; >= 0."
+    )
+    beta1: float = _f(0.9, "Adam's first-moment decay (and Muon's momentum), in [0, 1).")
+    beta2: float = _f(0.95, "Adam's second-moment decay, in [0, 1); with lr: auto the heuristic sets it instead.")
+    grad_clip: float = _f(1.0, "Clip the gradients' global norm to this before the update; 0 = off.")
+    muon_lr_ratio: float = _f(
+        13 / 3, "Muon's learning rate over Adam's (Marin: 13/3), with optimizer: muon. A number > 0."
+    )
+    decay_frac: float = _f(0.2, "wsd schedule: the last fraction of the run that decays, in [0, 1].")
+    log_every: int = _f(
+        10, "Steps between lines of metrics.jsonl (and the progress line); the last step is always logged."
+    )
+    eval_every: int = _f(
+        0,
+        "Steps between held-out evaluations; 0 = every 5% of the run. Step 0 and the last step are always evaluated.",
+    )
+    eval_tokens: int = _f(8192, "Held-out tokens per domain per evaluation (the same windows every time).")
+    checkpoint_every: int = _f(100, "Steps between checkpoints; the last step is always checkpointed.")
+    keep_last: int = _f(
+        2, "Newest checkpoints kept; older ones are deleted (unless keep_every or keep_steps keeps them)."
+    )
+    keep_every: int = _f(0, "Also keep every checkpoint at a multiple of this step for good; 0 = none.")
+    keep_steps: tuple[int, ...] = _f(
+        (), "Also checkpoint at these steps (in 1..steps) and keep them for good: branch points for later runs."
+    )
+    nan_patience: int = _f(
+        3,
+        "Non-finite steps in a row (each skipped) before the run restores its last checkpoint.",
+    )
+    peak_flops: float = _f(
+        0.0,
+        "One device's peak FLOP/s in the compute dtype, for MFU; 0 = the published peak of a known accelerator "
+        "(moelab.devices), or this CPU's measured matmul rate.",
+    )
+    poison_steps: tuple[int, ...] = _f((), "Testing aid: these steps' loss is made NaN (to exercise the NaN guard).")
+    inject: tuple[str, ...] = _f(
+        (),
+        "Faults to inject, to test the health checks: KIND@STEP[:ARG], such as lr_spike@100:10 (kinds in "
+        "moelab.monitor.faults).",
+    )
+    replans: tuple[str, ...] = _f(
+        (),
+        "Horizon changes, AT:OLD->NEW steps (such as 150:300->450), written by `moelab replan`; the last must end at "
+        "steps.",
+    )
+    forecast_update_every: float = _f(
+        0.1,
+        "With a joint-law forecast.json in the run: refit it with the run's own evaluations every this fraction of "
+        "the run, in [0, 1] (0 = never); updates are recorded beside the registered forecast, never over it.",
+    )
+    trackers: tuple[str, ...] = _f(
+        (),
+        "Trackers the metrics are mirrored to: wandb, tensorboard (`moelab train --tracker` adds to them). The "
+        "run's own files stay the record.",
+    )
+    tracker_project: str = _f("", 'W&B project; "" = the environment\'s WANDB_PROJECT, else moelab.')
+    tracker_entity: str = _f(
+        "", "W&B entity (user or team); \"\" = the environment's WANDB_ENTITY, else W&B's default."
+    )
+    tracker_mode: str = _f(
+        "",
+        'W&B mode: online, offline or disabled; "" = the environment\'s WANDB_MODE, else offline.',
+        ("", "online", "offline", "disabled"),
+    )
+    micro_batch: int = _f(
+        0,
+        "Gradient accumulation: sequences per micro-step (over all devices); 0 = the whole batch in one step. Must "
+        "divide batch_size; the step runs batch_size / micro_batch micro-steps and one update, and metrics, drops, "
+        "router balancing and z-losses are the whole batch's (moelab.train.step).",
+    )
+    offload: str = _f(
+        "none",
+        "Host offload (memory kind pinned_host): optimizer = AdamW/Muon state kept in host memory and moved in for "
+        "the update; layer_inputs = with model.remat, each rematerialised block's (or layer's) input saved to host "
+        "memory; all = both (Marin's strategy on GB200); none.",
+        OFFLOADS,
+    )
+    async_checkpoint: bool = _f(
+        True, "Save checkpoints in the background while training goes on; false = the step waits for each save."
+    )
+    checkpoint_dir: str = _f(
+        "",
+        "Where checkpoints go: \"\" = the run's ckpt/ folder; else any path Orbax's file layer takes (such as gs://...).",
+    )
+    task_evals: tuple[str, ...] = _f(
+        (),
+        "Tasks scored by log-likelihood at every evaluation (moelab.eval.tasks): built-in names (next_line, "
+        "brackets, defined_name) or JSON-lines task files.",
+    )
+    task_eval_examples: int = _f(
+        100, "Examples per task at each evaluation in the loop, evenly spread over its file; 0 = all."
+    )
 
     def check(self) -> list[str]:
         """Problems with the training fields: one line each."""
@@ -365,9 +584,9 @@ class TrainConfig:
             e.append(f"train.lr: must be > 0, got {t.lr}")
         if not (isinstance(t.lr_scale, (int, float)) and t.lr_scale > 0):
             e.append(f"train.lr_scale: must be a number > 0, got {t.lr_scale!r}")
-        if t.optimizer not in ("adamw", "muon"):
+        if t.optimizer not in OPTIMIZERS:
             e.append(f"train.optimizer: must be adamw or muon, got {t.optimizer!r}")
-        if t.schedule not in ("linear", "wsd", "constant"):
+        if t.schedule not in SCHEDULES:
             e.append(f"train.schedule: must be linear, wsd or constant, got {t.schedule!r}")
         if not 0.0 <= t.warmup_frac < 1.0:
             e.append(f"train.warmup_frac: must be in [0, 1), got {t.warmup_frac}")
@@ -425,34 +644,74 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # a list of sources: 'stdlib', 'cheaders', a path or glob (a file, a folder, '/data/**/*.parquet'),
-    # or 'name=path-or-glob' (entries with one name make one domain); or a mapping of domain names
-    # to lists of paths and globs (moelab.data.sources)
-    sources: tuple[str, ...] | dict[str, tuple[str, ...]] = ("stdlib",)
-    tokenizer: str = (
-        ""  # a tokenizer.json or a folder holding one (a transformers model folder); "" = train a byte-level BPE
+    sources: tuple[str, ...] | dict[str, tuple[str, ...]] = _f(
+        ("stdlib",),
+        "What to train on: a list of sources ('stdlib', 'cheaders', a path or glob such as a file, a folder or "
+        "'/data/**/*.parquet', or 'name=path-or-glob'; entries with one name make one domain), or a mapping of "
+        "domain names to lists of paths and globs (moelab.data.sources). Text, JSON lines, parquet and arrow, any "
+        "compression.",
     )
-    text_field: str | dict[str, str] = "text"  # the records' text field, or a mapping of domain names to fields
-    # sources never trained on, evaluated beside the held-out split (same forms as sources)
-    validation: tuple[str, ...] | dict[str, tuple[str, ...]] = ()
-    bad_records: str = "refuse"  # refuse | skip: a bad shard, line or row stops the build, or is left out and counted
-    workers: int = 0  # processes that tokenize the shards (0 = every core); the store's bytes do not depend on it
-    backend: str = "local"  # local | ray: where the shards are tokenized (ray: one task per unit of shards)
-    include: tuple[str, ...] = ()  # directory sources: globs of the files to read (none: every text file)
-    exclude: tuple[str, ...] = ()  # directory sources: globs of files to leave out
-    held_out_fraction: float = 0.02
-    max_bytes_per_domain: int = 0  # 0 = every document; otherwise stop adding documents past this
-    # mixture: one weight mapping per phase (empty = each domain in proportion to its tokens;
-    # a single mapping applies to every phase); phases start at these fractions of the run
-    mixture: tuple[dict[str, float], ...] = ()
-    phase_starts: tuple[float, ...] = (0.0, 0.8)
-    # the sequence length of each phase (empty = model.seq_len throughout; one value = every phase): a
-    # long-context phase. The batch's tokens are held (train.batch_size counts sequences of model.seq_len,
-    # the longest), so a shorter phase holds more sequences; RoPE is scaled by length / the first
-    # length in a longer phase (model.rope_scaling), and the model samples and exports at the last
-    phase_seq_lens: tuple[int, ...] = ()
-    epoch_cap: float = 4.0  # most passes over any domain's training tokens
-    epoch_cap_action: str = "refuse"  # refuse | warn
+    tokenizer: str = _f(
+        "",
+        'A tokenizer.json, or a folder holding one (a transformers model folder); "" = train a byte-level BPE of '
+        "model.vocab_size tokens on the sources.",
+    )
+    text_field: str | dict[str, str] = _f(
+        "text",
+        "The field of JSON-lines, parquet and arrow records that holds the text, or a mapping of domain names to fields.",
+    )
+    validation: tuple[str, ...] | dict[str, tuple[str, ...]] = _f(
+        (),
+        "Sources never trained on, evaluated beside the held-out split (the same forms as sources).",
+    )
+    bad_records: str = _f(
+        "refuse",
+        "What a bad shard, line or row does: refuse (stops the build) or skip (left out and counted).",
+        ("refuse", "skip"),
+    )
+    workers: int = _f(
+        0, "Processes that tokenize the shards; 0 = every core. The token store's bytes do not depend on it."
+    )
+    backend: str = _f(
+        "local",
+        "Where the shards are tokenized: local (processes here) or ray (one Ray task per unit of shards).",
+        ("local", "ray"),
+    )
+    include: tuple[str, ...] = _f(
+        (), "Folder sources: globs of the files to read, such as ['*.py', 'lib/**']; empty = every text file."
+    )
+    exclude: tuple[str, ...] = _f((), "Folder sources: globs of the files to leave out.")
+    held_out_fraction: float = _f(
+        0.02,
+        "Share of each domain's documents held out for evaluation (by a stable hash of domain and name; a domain "
+        "of few documents is split by position), in [0, 1); 0 = none.",
+    )
+    max_bytes_per_domain: int = _f(
+        0, "Bytes of text per domain: past this no more documents are added; 0 = every document."
+    )
+    mixture: tuple[dict[str, float], ...] = _f(
+        (),
+        "Domain weights, one mapping per phase (a single mapping applies to every phase); empty = each domain in "
+        "proportion to its tokens. Weights >= 0 with a positive sum.",
+    )
+    phase_starts: tuple[float, ...] = _f(
+        (0.0, 0.8),
+        "Where each phase of the mixture starts, as fractions of the run: 0.0 first, rising, below 1.0.",
+    )
+    phase_seq_lens: tuple[int, ...] = _f(
+        (),
+        "The sequence length of each phase (empty = model.seq_len throughout; one value = every phase): a "
+        "long-context phase. The longest must equal model.seq_len and lengths must not fall. The batch's tokens "
+        "are held (train.batch_size counts sequences of model.seq_len), so a shorter phase holds more sequences; "
+        "RoPE is scaled by length / the first length in a longer phase (model.rope_scaling), and the model "
+        "samples and exports at the last.",
+    )
+    epoch_cap: float = _f(4.0, "Most passes over any domain's training tokens that the mixture may need; > 0.")
+    epoch_cap_action: str = _f(
+        "refuse",
+        "What a mixture past epoch_cap does: refuse (the run stops before training) or warn.",
+        ("refuse", "warn"),
+    )
 
     def check(self) -> list[str]:
         """Problems with the data fields: one line each."""
@@ -512,19 +771,47 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
-    expert: int = 1
-    # parameters, gradients and optimiser state sharded over `data` too (ZeRO-3); experts also over `expert`
-    fsdp: bool = True
+    data: int = _f(1, "Devices along the mesh's data axis: each holds a share of the batch's sequences.")
+    expert: int = _f(
+        1,
+        "Devices along the mesh's expert axis (expert parallelism): each holds n_routed / expert routed experts "
+        "and a share of the batch; must divide model.n_routed. mesh.data x mesh.expert = the devices a run uses.",
+    )
+    fsdp: bool = _f(
+        True,
+        "Shard parameters, gradients and optimizer state over the data axis too (ZeRO-3, FSDP); experts also over "
+        "the expert axis. false = replicated over data.",
+    )
 
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    name: str = ""
+    model: ModelConfig = field(
+        default_factory=ModelConfig,
+        metadata={"help": "The network: its shape, attention, experts, router, dispatch, numerics and memory options."},
+    )
+    train: TrainConfig = field(
+        default_factory=TrainConfig,
+        metadata={
+            "help": "The run: steps and batch, optimizer and learning-rate schedule, evaluation, checkpoints, "
+            "trackers and memory placement."
+        },
+    )
+    data: DataConfig = field(
+        default_factory=DataConfig,
+        metadata={
+            "help": "What the model reads: sources and domains, the tokenizer, the held-out split, the mixture and "
+            "its phases."
+        },
+    )
+    mesh: MeshConfig = field(
+        default_factory=MeshConfig,
+        metadata={"help": "How the run spreads over devices: the data and expert axes, and FSDP sharding."},
+    )
+    name: str = _f(
+        "",
+        "A label for the config, shown by commands such as flops; a preset sets its own name, a file may set one.",
+    )
 
     def check_vocab(self) -> list[str]:
         """A tokenizer trained here is byte-level: its 256 bytes and the end-of-text token come first."""
@@ -638,6 +925,83 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
+
+
+# ---------------------------------------------------------------- meanings (`moelab config --explain`, the reference)
+
+
+def type_label(tp: Any, plural: bool = False) -> str:
+    """A field's type as a YAML or JSON writer sees it: integer, number, boolean, string, list of ..."""
+    if tp in (int, float, bool, str):
+        return {int: "integer", float: "number", bool: "boolean", str: "string"}[tp] + ("s" if plural else "")
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return f"list{'s' if plural else ''} of {type_label(typing.get_args(tp)[0], plural=True)}"
+    if origin is dict:
+        return f"mapping{'s' if plural else ''} of names to {type_label(typing.get_args(tp)[1], plural=True)}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_label(a, plural) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def show_value(value: Any) -> str:
+    """A field's value as it is written in a JSON (or YAML flow) config: "ntk", 128, [], true."""
+    return json.dumps(value, default=list)
+
+
+def field_paths() -> list[str]:
+    """Every config field by its dotted name, in the order of the classes: model.d_model, ..., name."""
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)] + ["name"]
+
+
+def summary(meaning: str) -> str:
+    """A meaning's first sentence: the one line a section's listing shows."""
+    head = re.split(r"(?<=[.?!])\s+(?=[A-Z])", meaning.strip(), maxsplit=1)[0]
+    return head if head.endswith((".", "?", "!")) else head + "."
+
+
+def explain(path: str) -> dict:
+    """What a config field means, from the field itself: ``{name, type, default, help}`` and ``choices``
+    where the values are a fixed set. A section name (``model``) gives ``{name, help, fields}``, its
+    fields each explained. An unknown name is a ConfigError of one line naming the nearest names."""
+    path = path.strip()
+    top = {f.name: f for f in fields(Config)}
+    if path in SECTIONS:
+        return {
+            "name": path,
+            "help": top[path].metadata["help"],
+            "fields": [explain(f"{path}.{f.name}") for f in fields(SECTIONS[path])],
+        }
+    section, _, key = path.rpartition(".")
+    cls = SECTIONS.get(section) if section else Config
+    found = {f.name: f for f in fields(cls)}.get(key) if cls is not None else None
+    if found is None or (cls is Config and key in SECTIONS):
+        raise ConfigError([_unknown_field(path)])
+    tp = typing.get_type_hints(cls)[key]
+    out = {"name": path, "type": type_label(tp), "default": found.default, "help": found.metadata.get("help", "")}
+    if "choices" in found.metadata:
+        out["choices"] = found.metadata["choices"]
+    return out
+
+
+def _unknown_field(path: str) -> str:
+    names = field_paths()
+    near = difflib.get_close_matches(path, names + list(SECTIONS), n=3, cutoff=0.75)
+    last = path.rpartition(".")[2]  # top_k, or a misspelt key in the wrong section: its full names
+    by_key: dict[str, list[str]] = {}
+    for n in names:
+        by_key.setdefault(n.rpartition(".")[2], []).append(n)
+    for key in difflib.get_close_matches(last, list(by_key), n=3, cutoff=0.75):
+        near += by_key[key]
+    near = list(dict.fromkeys(near))[:4]
+    section = path.partition(".")[0]
+    if near:
+        hint = f"did you mean {', '.join(near)}?"
+    elif section in SECTIONS:
+        hint = f"`moelab config --explain {section}` lists its fields"
+    else:
+        hint = f"the sections are {', '.join(SECTIONS)} (and the top-level name)"
+    return f"{path}: no such config field; {hint}"
 
 
 # ---------------------------------------------------------------- building from plain data
