@@ -57,14 +57,13 @@ class ModelConfig:
     # shape
     d_model: int = _f(
         128,
-        "Width of the residual stream (the model dimension): embeddings, attention, router and shared experts work at it.",
+        "Width of the residual stream (the model dimension). Embeddings, attention, router and shared experts work at it.",
     )
     n_layers: int = _f(4, "Transformer blocks, each attention then a mixture of experts (every layer is MoE).")
     n_heads: int = _f(4, "Query heads per attention layer. With head_dim 0 they must divide d_model.")
     n_kv_heads: int = _f(
         2,
-        "Key/value heads of the global layers (of every layer when there is no sliding window): grouped-query "
-        "attention, so it must divide n_heads.",
+        "Key/value heads of the global layers (of every layer without a sliding window). Grouped-query attention: must divide n_heads.",
     )
     n_kv_heads_local: int = _f(
         0,
@@ -79,22 +78,17 @@ class ModelConfig:
     )
     seq_len: int = _f(
         128,
-        "Tokens per training sequence: the model's context (with a long-context phase, the longest "
-        "data.phase_seq_lens).",
+        "Tokens per training sequence: the model's context. With a long-context phase, the longest of data.phase_seq_lens.",
     )
     # attention
     rope_fraction: float = _f(
         1.0,
-        "Fraction of each head's dimensions that rotary embedding rotates, in (0, 1] (1.0 or 0.5 in practice); "
-        "the rotated part must be an even number of dimensions.",
+        "Fraction of each head's dimensions that rotary embedding rotates, in (0, 1]. 1.0 or 0.5 in practice; the rotated part must be an even number of dimensions.",
     )
     rope_theta: float = _f(10000.0, "Base of the rotary embedding's frequencies (larger = slower rotation).")
     rope_scaling: str = _f(
         "ntk",
-        "How RoPE stretches to a context longer than the one it was trained at (rope_original_len < seq_len): "
-        "none, pi (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). "
-        "A long-context phase (data.phase_seq_lens) sets the original length itself. ntk was chosen by the rule "
-        "registered before benchmarks/rope_scaling.py ran (results/rope_scaling.json: none, ntk and yarn tied).",
+        "How RoPE stretches to a context longer than it was trained at (rope_original_len < seq_len). none, pi (position interpolation), ntk (NTK-aware base) or yarn (moelab.model.layers.rope_frequencies). A long-context phase (data.phase_seq_lens) sets the original length itself. ntk was chosen by the rule registered before benchmarks/rope_scaling.py ran (results/rope_scaling.json: none, ntk and yarn tied).",
         ROPE_SCALINGS,
     )
     rope_original_len: int = _f(
@@ -108,7 +102,7 @@ class ModelConfig:
     )
     global_every: int = _f(
         4,
-        "With a sliding window: every n-th layer (and always the last) is global, the others local; 0 = only the last.",
+        "With a sliding window, every n-th layer (and always the last) is global. The others are local; 0 = only the last layer is global.",
     )
     # experts
     n_routed: int = _f(8, "Routed experts per layer (SwiGLU), of which the router picks top_k per token.")
@@ -120,141 +114,106 @@ class ModelConfig:
     shared_dim: int = _f(128, "Hidden width of each shared expert (SwiGLU); must be > 0 when n_shared > 0.")
     latent_dim: int = _f(
         0,
-        "Width of the routed experts' latent space: the routed path projects d_model down to it (then RMSNorm), "
-        "runs the experts there and projects back; router and shared experts stay on the full width. 0 = routed "
-        "experts on the full width. At most d_model.",
+        "Width of the routed experts' latent space; 0 = routed experts on the full width. The routed path projects d_model down to it (then RMSNorm), runs the experts there and projects back; router and shared experts stay on the full width. At most d_model.",
     )
     # router
     router: str = _f(
         "softmax",
-        "Router scores (in fp32): softmax (top-k, gates renormalised to sum to 1) or sigmoid (top-k on "
-        "bias-adjusted logits, gates from the unbiased scores renormalised to routed_scale).",
+        "Router scores, in fp32: softmax or sigmoid. softmax: top-k, gates renormalised to sum to 1. sigmoid: top-k on bias-adjusted logits, gates from the unbiased scores renormalised to routed_scale.",
         ROUTERS,
     )
     bias_update: str = _f(
         "none",
-        "Balancing bias (state, never trained; it changes which experts are picked, not the gates), updated from "
-        "each batch for the next step: quantile (Marin: each expert's bias lets a top_k / n_routed fraction of "
-        "tokens pick it), sign (DeepSeek-V3: +/- bias_rate by under- or over-load) or none.",
+        "Balancing bias: quantile, sign or none. The bias is state, never trained: it changes which experts are picked, not the gates, and is computed from each batch for the next step. quantile (Marin): each expert's bias lets a top_k / n_routed fraction of the batch's tokens pick it. sign (DeepSeek-V3): +/- bias_rate by under- or over-load.",
         BIAS_UPDATES,
     )
-    bias_rate: float = _f(1e-3, "Step of the sign bias update (bias_update: sign), added or subtracted each step.")
+    bias_rate: float = _f(0.001, "Step of the sign bias update (bias_update sign), added or subtracted each step.")
     routed_scale: float = _f(
         1.0,
-        "Sigmoid router: a token's routed gates are renormalised to sum to this (Marin: 2.5); the softmax router "
-        "always sums to 1.",
+        "Sum of a token's routed gates under the sigmoid router (Marin: 2.5). The softmax router's gates always sum to 1.",
     )
     aux_loss_coef: float = _f(
         0.0,
-        "Weight of the Switch load-balancing loss (n_routed x sum of load share x mean probability, 1.0 when "
-        "balanced) in the training loss; 0 = left out (it is still logged).",
+        "Weight of the Switch load-balancing loss in the training loss; 0 = left out. The loss is n_routed x the sum over experts of load share x mean probability, 1.0 when balanced; it is logged either way.",
     )
     router_z_loss_coef: float = _f(
         0.0,
-        "Weight of the router z-loss (mean over tokens of logsumexp(router logits)^2) in the training loss; "
-        "0 = left out (it is still logged).",
+        "Weight of the router z-loss in the training loss; 0 = left out. The loss is the mean over tokens of logsumexp(router logits)^2; it is logged either way.",
     )
     logit_z_loss: float = _f(
-        1e-4,
-        "Weight of the LM head's logit z-loss (mean of logsumexp(logits)^2), which keeps the output logits from "
-        "drifting; 0 = off.",
+        0.0001,
+        "Weight of the LM head's logit z-loss in the training loss; 0 = off. The loss is the mean of logsumexp(logits)^2; it keeps the output logits from drifting.",
     )
     # dispatch
     dispatch: str = _f(
         "dropless",
-        "How tokens reach their experts in training: dropless (every assignment computed), capacity "
-        "(ceil(capacity_factor x tokens x top_k / n_routed) slots per expert per group, the overflow dropped by "
-        "drop_order) or spill (as capacity, but an overflowing assignment moves to the token's next-ranked expert "
-        "with room, trying at most spill_choices).",
+        "How tokens reach their experts in training: dropless, capacity or spill. dropless computes every assignment. capacity gives each expert ceil(capacity_factor x tokens x top_k / n_routed) slots per group and drops the overflow by drop_order. spill is capacity, but an overflowing assignment moves to the token's next-ranked expert with room, trying at most spill_choices.",
         DISPATCHES,
     )
     moe_impl: str = _f(
         "auto",
-        "How dropless dispatch computes: ragged (jax.lax.ragged_dot, grouped matmuls), blocks (batched "
-        "expert-pure blocks), loop (over the used blocks only); auto = ragged on GPU and TPU, loop or blocks on "
-        "CPU by the experts' size.",
+        "How dropless dispatch computes: ragged, blocks, loop or auto. ragged: jax.lax.ragged_dot (grouped matmuls); blocks: batched expert-pure blocks; loop: over the used blocks only; auto: ragged on GPU and TPU, loop or blocks on CPU by the experts' size.",
         MOE_IMPLS,
     )
     attention_impl: str = _f(
         "auto",
-        "Attention path: blocked (moelab's causal query blocks; XLA:CPU's fastest below 2048 tokens), flash (blocks "
-        "with an online softmax, no [seq, seq] buffer), xla or cudnn (jax.nn.dot_product_attention; cudnn = the "
-        "fused flash kernel, NVIDIA GPU in bfloat16 or float16 only); auto = cudnn on NVIDIA GPUs in bfloat16, "
-        "elsewhere blocked below 2048 tokens and flash from there.",
+        "Attention path: blocked, flash, xla, cudnn or auto. blocked: moelab's causal query blocks (XLA:CPU's fastest below 2048 tokens); flash: blocks with an online softmax, no [seq, seq] buffer; xla or cudnn: jax.nn.dot_product_attention (cudnn = the fused flash kernel, NVIDIA GPU in bfloat16 or float16 only); auto: cudnn on NVIDIA GPUs in bfloat16, elsewhere blocked below 2048 tokens and flash from there.",
         ATTENTION_IMPLS,
     )
     eval_dispatch: str = _f(
         "",
-        "Dispatch outside training (evaluation, sampling), so a model trained with drops can be evaluated dropless; "
-        '"" = the same as dispatch.',
+        'Dispatch outside training (evaluation, sampling); "" = the same as dispatch. A model trained with drops can so be evaluated dropless.',
         ("",) + DISPATCHES,
     )
     capacity_factor: float = _f(
         1.25,
-        "Capacity and spill dispatch (and the expert-parallel transports): each expert gets "
-        "ceil(capacity_factor x group tokens x top_k / n_routed) slots per group, never more than the group's "
-        "tokens. A finite number > 0.",
+        "Slots per expert for capacity and spill dispatch, as a multiple of an even share. Each expert gets ceil(capacity_factor x group tokens x top_k / n_routed) slots per capacity group, never more than the group's tokens; the expert-parallel transports use it too. A finite number > 0.",
     )
     drop_order: str = _f(
         "position",
-        "Which assignments an over-full expert keeps: position (first tokens first served) or score (the highest "
-        "router scores; the lowest dropped first).",
+        "Which assignments an over-full expert keeps: position or score. position: the first tokens are served first; score: the highest router scores are kept, the lowest dropped first.",
         DROP_ORDERS,
     )
     capacity_group: int = _f(
         0,
-        "Tokens per capacity group (the unit capacity slots are counted over); 0 = each device's tokens (Marin's "
-        "grouping: the whole batch on one device). Must divide train.batch_size x seq_len (and a micro-batch's "
-        "tokens).",
+        "Tokens per capacity group (the unit capacity slots are counted over). 0 = each device's tokens (Marin's grouping: the whole batch on one device). Must divide train.batch_size x seq_len (and a micro-batch's tokens).",
     )
     spill_choices: int = _f(
         8,
-        "Spill dispatch: an overflowing assignment tries at most this many next-ranked experts; 0 = all. The router "
-        "takes each token's top top_k + spill_choices experts.",
+        "Next-ranked experts an overflowing assignment tries under spill dispatch; 0 = all. The router takes each token's top top_k + spill_choices experts.",
     )
     ep_transport: str = _f(
         "fixed",
-        "Expert parallelism (mesh.expert > 1): how tokens travel to the devices holding their experts: fixed "
-        "(slots per sender and expert), spill (fixed, overflow moved to next-ranked experts at the sender) or "
-        "pooled_wave (one pool per destination device, sent in ep_waves waves); moelab.parallel.ep.",
+        "How tokens travel to their experts' devices under expert parallelism (mesh.expert > 1). fixed: slots per sender and expert; spill: fixed, with overflow moved to next-ranked experts at the sender; pooled_wave: one pool per destination device, sent in ep_waves waves (moelab.parallel.ep).",
         EP_TRANSPORTS,
     )
-    ep_waves: int = _f(3, "pooled_wave transport: waves per exchange, at least 1.")
+    ep_waves: int = _f(3, "Waves per exchange of the pooled_wave transport, at least 1.")
     # numerics
     norm_eps: float = _f(1e-6, "Epsilon of the RMS norms, added to the mean square before its square root.")
     compute_dtype: str = _f(
         "auto",
-        "Dtype of activations and matmuls (parameters, optimizer state, router and norms stay float32). auto = "
-        "bfloat16 on GPU and TPU (as Marin runs), float32 on CPU (XLA:CPU computes bf16 through fp32, slower); "
-        "resolved when a run starts, and the run records the dtype it used.",
+        "Dtype of activations and matmuls: float32, bfloat16 or auto. Parameters, optimizer state, router and norms stay float32. auto: bfloat16 on GPU and TPU (as Marin runs), float32 on CPU (XLA:CPU computes bf16 through fp32, slower); resolved when a run starts, and the run records the dtype it used.",
         DTYPES,
     )
     matmul_precision: str = _f(
         "default",
-        "Precision of float32 matmuls: default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 "
-        "passes on TPU), high or highest keep more of float32. Set at the start of a run; MFU uses the peak of the "
-        "precision that runs (moelab.train.loop.device_peak).",
+        "Precision of float32 matmuls: default, high or highest. default lets the hardware round them (TF32 on NVIDIA tensor cores, bf16 passes on TPU); highest keeps true float32. Set at the start of a run; MFU uses the peak of the precision that runs (moelab.train.loop.device_peak).",
         MATMUL_PRECISIONS,
     )
     # memory for large models
     remat: str = _f(
         "none",
-        "Rematerialisation, to save activation memory: layer keeps only the input of each scanned block (a period "
-        "of the local/global pattern) and recomputes the block in the backward pass; each_layer does the same and "
-        "the block's recomputation keeps its layers' inputs and recomputes them one at a time (a block's residuals "
-        "never live at once; one more forward pass of compute); none keeps everything.",
+        "Rematerialisation, to save activation memory: none, layer or each_layer. layer keeps only the input of each scanned block (a period of the local/global pattern) and recomputes the block in the backward pass; each_layer does the same, and the block's recomputation keeps its layers' inputs and recomputes them one at a time (a block's residuals never live at once; one more forward pass of compute).",
         REMATS,
     )
     scan_layers: str = _f(
         "auto",
-        "Layers as a lax.scan over whole local/global periods, so compile time does not grow with depth: scan, "
-        "unrolled, or auto = scan on an accelerator or from 12 layers (SCAN_MIN_LAYERS) on CPU, where shallow "
-        "models step faster unrolled.",
+        "Layers as a lax.scan over whole local/global periods: scan, unrolled or auto. Scanned, compile time does not grow with depth. auto: scan on an accelerator, or from 12 layers (SCAN_MIN_LAYERS) on CPU, where shallow models step faster unrolled.",
         SCAN_LAYERS,
     )
     ce_chunk: int = _f(
         0,
-        "Tokens per chunk of the LM head's cross-entropy, so the logits are never whole in memory; 0 = one chunk.",
+        "Tokens per chunk of the LM head's cross-entropy; 0 = one chunk. Chunked, the logits are never whole in memory.",
     )
 
     @property
@@ -443,22 +402,20 @@ class TrainConfig:
     steps: int = _f(200, "Optimizer updates in the run (the horizon the learning-rate schedule is planned over).")
     batch_size: int = _f(
         16,
-        "Sequences of model.seq_len tokens per step, over all devices; must split evenly over mesh.data x mesh.expert.",
+        "Sequences of model.seq_len tokens per step, over all devices. Must split evenly over mesh.data x mesh.expert.",
     )
     seed: int = _f(
         0,
-        "Seed of the parameters' initialisation and of the data order (batches are a function of seed and step); in [0, 2**32).",
+        "Seed of the parameters' initialisation and of the data order, in [0, 2**32). Batches are a function of seed and step.",
     )
     optimizer: str = _f(
         "adamw",
-        "adamw (decoupled weight decay), or muon (Muon for the attention and expert matrices, AdamW for the rest: "
-        "embeddings, head, router, norms).",
+        "Optimizer: adamw or muon. adamw: AdamW with decoupled weight decay; muon: Muon for the attention and expert matrices, AdamW for the rest (embeddings, head, router, norms).",
         OPTIMIZERS,
     )
     lr: float | str = _f(
-        3e-3,
-        "Peak learning rate (AdamW's, reached at the end of warmup): a number, or auto for Marin's compute-scaled "
-        "heuristic, which also sets Adam's beta2 and epsilon from the run's tokens, batch and d_model.",
+        0.003,
+        "Peak learning rate (AdamW's, reached at the end of warmup): a number, or auto. auto is Marin's compute-scaled heuristic, which also sets Adam's beta2 and epsilon from the run's tokens, batch and d_model.",
     )
     lr_scale: float = _f(
         1.0,
@@ -467,13 +424,11 @@ class TrainConfig:
     warmup_frac: float = _f(0.01, "Fraction of the steps with a linear warmup to the peak rate, in [0, 1).")
     min_lr_ratio: float = _f(
         0.05,
-        "Where the decay ends, as a fraction of the peak rate, in [0, 1]: the linear and wsd schedules reach it on "
-        "the last step.",
+        "Where the decay ends, as a fraction of the peak rate, in [0, 1]. The linear and wsd schedules reach it on the last step.",
     )
     schedule: str = _f(
         "linear",
-        "Learning rate after warmup: linear (decays from the peak to min_lr_ratio x peak over the rest of the run), "
-        "wsd (warmup-stable-decay: constant, then the last decay_frac of the run decays linearly) or constant.",
+        "Learning rate after warmup: linear, wsd or constant. linear decays from the peak to min_lr_ratio x peak over the rest of the run; wsd (warmup-stable-decay) holds the peak, then decays linearly over the last decay_frac of the run.",
         SCHEDULES,
     )
     weight_decay: float = _f(
@@ -483,9 +438,9 @@ class TrainConfig:
     beta2: float = _f(0.95, "Adam's second-moment decay, in [0, 1); with lr: auto the heuristic sets it instead.")
     grad_clip: float = _f(1.0, "Clip the gradients' global norm to this before the update; 0 = off.")
     muon_lr_ratio: float = _f(
-        13 / 3, "Muon's learning rate over Adam's (Marin: 13/3), with optimizer: muon. A number > 0."
+        13 / 3, "Muon's learning rate over Adam's, with optimizer muon (Marin: 13/3). A number > 0."
     )
-    decay_frac: float = _f(0.2, "wsd schedule: the last fraction of the run that decays, in [0, 1].")
+    decay_frac: float = _f(0.2, "The last fraction of the run that decays under the wsd schedule, in [0, 1].")
     log_every: int = _f(
         10, "Steps between lines of metrics.jsonl (and the progress line); the last step is always logged."
     )
@@ -500,7 +455,7 @@ class TrainConfig:
     )
     keep_every: int = _f(0, "Also keep every checkpoint at a multiple of this step for good; 0 = none.")
     keep_steps: tuple[int, ...] = _f(
-        (), "Also checkpoint at these steps (in 1..steps) and keep them for good: branch points for later runs."
+        (), "Also checkpoint at these steps (in 1..steps) and keep them for good. Branch points for later runs."
     )
     nan_patience: int = _f(
         3,
@@ -508,29 +463,24 @@ class TrainConfig:
     )
     peak_flops: float = _f(
         0.0,
-        "One device's peak FLOP/s in the compute dtype, for MFU; 0 = the published peak of a known accelerator "
-        "(moelab.devices), or this CPU's measured matmul rate.",
+        "One device's peak FLOP/s in the compute dtype, for MFU. 0 = the published peak of a known accelerator (moelab.devices), or this CPU's measured matmul rate.",
     )
-    poison_steps: tuple[int, ...] = _f((), "Testing aid: these steps' loss is made NaN (to exercise the NaN guard).")
+    poison_steps: tuple[int, ...] = _f((), "Testing aid: these steps' loss is made NaN, to exercise the NaN guard.")
     inject: tuple[str, ...] = _f(
         (),
-        "Faults to inject, to test the health checks: KIND@STEP[:ARG], such as lr_spike@100:10 (kinds in "
-        "moelab.monitor.faults).",
+        "Faults to inject, to test the health checks: KIND@STEP[:ARG]. Such as lr_spike@100:10; the kinds are in moelab.monitor.faults.",
     )
     replans: tuple[str, ...] = _f(
         (),
-        "Horizon changes, AT:OLD->NEW steps (such as 150:300->450), written by `moelab replan`; the last must end at "
-        "steps.",
+        "Horizon changes, AT:OLD->NEW steps (such as 150:300->450). Written by `moelab replan`; the last must end at steps.",
     )
     forecast_update_every: float = _f(
         0.1,
-        "With a joint-law forecast.json in the run: refit it with the run's own evaluations every this fraction of "
-        "the run, in [0, 1] (0 = never); updates are recorded beside the registered forecast, never over it.",
+        "How often a joint-law forecast.json in the run is refit, as a fraction of the run; 0 = never. In [0, 1]; the refits use the run's own evaluations and are recorded beside the registered forecast, never over it.",
     )
     trackers: tuple[str, ...] = _f(
         (),
-        "Trackers the metrics are mirrored to: wandb, tensorboard (`moelab train --tracker` adds to them). The "
-        "run's own files stay the record.",
+        "Trackers the metrics are mirrored to: wandb, tensorboard. `moelab train --tracker` adds to them; the run's own files stay the record.",
     )
     tracker_project: str = _f("", 'W&B project; "" = the environment\'s WANDB_PROJECT, else moelab.')
     tracker_entity: str = _f(
@@ -543,28 +493,23 @@ class TrainConfig:
     )
     micro_batch: int = _f(
         0,
-        "Gradient accumulation: sequences per micro-step (over all devices); 0 = the whole batch in one step. Must "
-        "divide batch_size; the step runs batch_size / micro_batch micro-steps and one update, and metrics, drops, "
-        "router balancing and z-losses are the whole batch's (moelab.train.step).",
+        "Sequences per micro-step (over all devices), for gradient accumulation; 0 = the whole batch. Must divide batch_size; the step runs batch_size / micro_batch micro-steps and one update, and metrics, drops, router balancing and z-losses are the whole batch's (moelab.train.step).",
     )
     offload: str = _f(
         "none",
-        "Host offload (memory kind pinned_host): optimizer = AdamW/Muon state kept in host memory and moved in for "
-        "the update; layer_inputs = with model.remat, each rematerialised block's (or layer's) input saved to host "
-        "memory; all = both (Marin's strategy on GB200); none.",
+        "Host offload (memory kind pinned_host): none, optimizer, layer_inputs or all. optimizer: AdamW/Muon state kept in host memory and moved in for the update; layer_inputs: with model.remat, each rematerialised block's (or layer's) input saved to host memory; all: both (Marin's strategy on GB200).",
         OFFLOADS,
     )
     async_checkpoint: bool = _f(
-        True, "Save checkpoints in the background while training goes on; false = the step waits for each save."
+        True, "Save checkpoints in the background while training goes on. false: the step waits for each save."
     )
     checkpoint_dir: str = _f(
         "",
-        "Where checkpoints go: \"\" = the run's ckpt/ folder; else any path Orbax's file layer takes (such as gs://...).",
+        "Where checkpoints go; \"\" = the run's ckpt/ folder. Else any path Orbax's file layer takes (such as gs://...).",
     )
     task_evals: tuple[str, ...] = _f(
         (),
-        "Tasks scored by log-likelihood at every evaluation (moelab.eval.tasks): built-in names (next_line, "
-        "brackets, defined_name) or JSON-lines task files.",
+        "Tasks scored by log-likelihood at every evaluation (moelab.eval.tasks). Built-in names (next_line, brackets, defined_name) or JSON-lines task files.",
     )
     task_eval_examples: int = _f(
         100, "Examples per task at each evaluation in the loop, evenly spread over its file; 0 = all."
@@ -646,19 +591,15 @@ class TrainConfig:
 class DataConfig:
     sources: tuple[str, ...] | dict[str, tuple[str, ...]] = _f(
         ("stdlib",),
-        "What to train on: a list of sources ('stdlib', 'cheaders', a path or glob such as a file, a folder or "
-        "'/data/**/*.parquet', or 'name=path-or-glob'; entries with one name make one domain), or a mapping of "
-        "domain names to lists of paths and globs (moelab.data.sources). Text, JSON lines, parquet and arrow, any "
-        "compression.",
+        "What to train on: a list of sources, or a mapping of domain names to lists of paths. A source is 'stdlib', 'cheaders', a path or glob (a file, a folder, '/data/**/*.parquet') or 'name=path-or-glob' (entries with one name make one domain); see moelab.data.sources. Text, JSON lines, parquet and arrow, any compression.",
     )
     tokenizer: str = _f(
         "",
-        'A tokenizer.json, or a folder holding one (a transformers model folder); "" = train a byte-level BPE of '
-        "model.vocab_size tokens on the sources.",
+        'A tokenizer.json, or a folder holding one (a transformers model folder). "" = train a byte-level BPE of model.vocab_size tokens on the sources.',
     )
     text_field: str | dict[str, str] = _f(
         "text",
-        "The field of JSON-lines, parquet and arrow records that holds the text, or a mapping of domain names to fields.",
+        "The field of JSON-lines, parquet and arrow records that holds the text. Or a mapping of domain names to fields.",
     )
     validation: tuple[str, ...] | dict[str, tuple[str, ...]] = _f(
         (),
@@ -674,25 +615,23 @@ class DataConfig:
     )
     backend: str = _f(
         "local",
-        "Where the shards are tokenized: local (processes here) or ray (one Ray task per unit of shards).",
+        "Where the shards are tokenized: local or ray. local: processes here; ray: one Ray task per unit of shards.",
         ("local", "ray"),
     )
     include: tuple[str, ...] = _f(
-        (), "Folder sources: globs of the files to read, such as ['*.py', 'lib/**']; empty = every text file."
+        (), "Folder sources: globs of the files to read; empty = every text file. Such as ['*.py', 'lib/**']."
     )
     exclude: tuple[str, ...] = _f((), "Folder sources: globs of the files to leave out.")
     held_out_fraction: float = _f(
         0.02,
-        "Share of each domain's documents held out for evaluation (by a stable hash of domain and name; a domain "
-        "of few documents is split by position), in [0, 1); 0 = none.",
+        "Share of each domain's documents held out for evaluation, in [0, 1); 0 = none. A document is held out by a stable hash of its domain and name; a domain of few documents is split by position.",
     )
     max_bytes_per_domain: int = _f(
         0, "Bytes of text per domain: past this no more documents are added; 0 = every document."
     )
     mixture: tuple[dict[str, float], ...] = _f(
         (),
-        "Domain weights, one mapping per phase (a single mapping applies to every phase); empty = each domain in "
-        "proportion to its tokens. Weights >= 0 with a positive sum.",
+        "Domain weights, one mapping per phase; empty = each domain in proportion to its tokens. A single mapping applies to every phase; weights >= 0 with a positive sum.",
     )
     phase_starts: tuple[float, ...] = _f(
         (0.0, 0.8),
@@ -700,11 +639,7 @@ class DataConfig:
     )
     phase_seq_lens: tuple[int, ...] = _f(
         (),
-        "The sequence length of each phase (empty = model.seq_len throughout; one value = every phase): a "
-        "long-context phase. The longest must equal model.seq_len and lengths must not fall. The batch's tokens "
-        "are held (train.batch_size counts sequences of model.seq_len), so a shorter phase holds more sequences; "
-        "RoPE is scaled by length / the first length in a longer phase (model.rope_scaling), and the model "
-        "samples and exports at the last.",
+        "The sequence length of each phase: a long-context phase. Empty = model.seq_len throughout; one value = every phase. The longest must equal model.seq_len and lengths must not fall. The batch's tokens are held (train.batch_size counts sequences of model.seq_len), so a shorter phase holds more sequences; RoPE is scaled by length / the first length in a longer phase (model.rope_scaling), and the model samples and exports at the last.",
     )
     epoch_cap: float = _f(4.0, "Most passes over any domain's training tokens that the mixture may need; > 0.")
     epoch_cap_action: str = _f(
@@ -774,13 +709,11 @@ class MeshConfig:
     data: int = _f(1, "Devices along the mesh's data axis: each holds a share of the batch's sequences.")
     expert: int = _f(
         1,
-        "Devices along the mesh's expert axis (expert parallelism): each holds n_routed / expert routed experts "
-        "and a share of the batch; must divide model.n_routed. mesh.data x mesh.expert = the devices a run uses.",
+        "Devices along the mesh's expert axis (expert parallelism). Each holds n_routed / expert routed experts and a share of the batch; must divide model.n_routed. mesh.data x mesh.expert = the devices a run uses.",
     )
     fsdp: bool = _f(
         True,
-        "Shard parameters, gradients and optimizer state over the data axis too (ZeRO-3, FSDP); experts also over "
-        "the expert axis. false = replicated over data.",
+        "Shard parameters, gradients and optimizer state over the data axis too (ZeRO-3). Experts are also sharded over the expert axis; false = replicated over data.",
     )
 
 
@@ -809,8 +742,7 @@ class Config:
         metadata={"help": "How the run spreads over devices: the data and expert axes, and FSDP sharding."},
     )
     name: str = _f(
-        "",
-        "A label for the config, shown by commands such as flops; a preset sets its own name, a file may set one.",
+        "", "A label for the config, shown by commands such as flops. A preset sets its own name; a file may set one."
     )
 
     def check_vocab(self) -> list[str]:
@@ -956,7 +888,7 @@ def field_paths() -> list[str]:
 
 def summary(meaning: str) -> str:
     """A meaning's first sentence: the one line a section's listing shows."""
-    head = re.split(r"(?<=[.?!])\s+(?=[A-Z])", meaning.strip(), maxsplit=1)[0]
+    head = re.split(r"(?<=[.?!])\s+", meaning.strip(), maxsplit=1)[0]
     return head if head.endswith((".", "?", "!")) else head + "."
 
 

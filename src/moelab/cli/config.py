@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from moelab.cli.common import add_config_args
 from moelab.config import load_config, to_dict
@@ -59,6 +60,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     from moelab.config import ConfigError, config_hash
     from moelab.model.transformer import backend_problems
 
+    if args.explain is not None:
+        return explain_field(args)
+    if args.config is None:
+        raise UsageError("config: give a preset name or a config file (or --explain FIELD for a field's meaning)")
     cfg = load_config(args.config, args.overrides)
     if problems := cfg.check_vocab() + backend_problems(cfg.model):  # what training would refuse, refused here
         raise ConfigError(problems)
@@ -69,6 +74,43 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(out, sort_keys=False), end="")
     else:
         print(json.dumps(out, indent=1))
+    return 0
+
+
+def explain_field(args: argparse.Namespace) -> int:
+    """`moelab config [CONFIG] --explain FIELD`: a field's type, default (and the config's value) and
+    meaning, or a section's fields one line each; all from the fields themselves (moelab.config.explain)."""
+    from moelab.config import explain, show_value, summary
+
+    info = explain(args.explain)  # an unknown name: one line with the nearest names, before any config is read
+    cfg = load_config(args.config, args.overrides) if args.config is not None else None
+    label = (cfg.name or args.config) if cfg is not None else ""
+
+    def value_in(name: str):
+        node = cfg
+        for part in name.split("."):
+            node = getattr(node, part)
+        return node
+
+    if "fields" in info:  # a section
+        print(f"{info['name']}: {info['help']}")
+        rows = [(f["name"].split(".", 1)[1], value_in(f["name"]) if cfg else f["default"], f) for f in info["fields"]]
+        print(
+            f"  ({'values in ' + label if cfg else 'defaults'}; moelab config --explain {info['name']}.FIELD for more)"
+        )
+        width = max(len(r[0]) for r in rows)
+        for key, value, f in rows:
+            shown = show_value(value)
+            shown = shown if len(shown) <= 16 else shown[:15] + "…"
+            print(f"  {key:<{width}}  {shown:<16}  {summary(f['help'])}")
+        return 0
+    print(f"{info['name']} ({info['type']})")
+    print(f"  default: {show_value(info['default'])}")
+    if cfg is not None:
+        print(f"  in {label}: {show_value(value_in(info['name']))}")
+    if "choices" in info:
+        print(f"  choices: {', '.join(show_value(c) for c in info['choices'])}")
+    print(textwrap.fill(info["help"], width=100, initial_indent="  ", subsequent_indent="  "))
     return 0
 
 
@@ -91,9 +133,20 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_flops)
 
-    p = sub.add_parser("config", help="print a validated config as JSON (or --yaml), with its hash")
-    add_config_args(p)
+    p = sub.add_parser(
+        "config",
+        help="print a validated config as JSON (or --yaml), with its hash; or what a field means (--explain)",
+        description="Print a validated config as JSON (or YAML), with its hash: `moelab config`, train, plan and "
+        "ladder read it back as it is. With --explain FIELD, print what a field means instead.",
+    )
+    add_config_args(p, optional=" (optional with --explain)")
     p.add_argument("--yaml", action="store_true", help="print YAML instead of JSON")
+    p.add_argument(
+        "--explain",
+        metavar="FIELD",
+        help="print a field's type, default (and its value in the config given) and meaning, such as model.top_k; "
+        "a section name (model, train, data, mesh) lists its fields",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("presets", help="list the named configs")
