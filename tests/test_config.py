@@ -230,3 +230,94 @@ def test_set_reaches_into_mapping_fields():
     assert cfg.data.text_field == {"prose": "body"} and cfg.data.sources == {"code": ("a/", "b/")}
     with pytest.raises(ConfigError, match="model.d_model is not a mapping; set it whole"):
         load_config("tiny", ["model.d_model.x=1"])
+
+
+# ---------------------------------------------------------------- meanings: `moelab config --explain`
+
+
+def _all_fields():
+    """Every field of every config class, read from the dataclasses themselves (not from moelab's list)."""
+    import dataclasses
+
+    from moelab.config import SECTIONS
+
+    out = [(f"{s}.{f.name}", f, cls) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return out + [("name", f, Config) for f in dataclasses.fields(Config) if f.name == "name"]
+
+
+def test_every_field_has_a_meaning_and_explain_prints_it(capsys):
+    from moelab.cli import main
+
+    fields = _all_fields()
+    assert len(fields) > 100
+    for path, f, cls in fields:
+        meaning = f.metadata.get("help", "")
+        assert len(meaning) >= 30 and meaning.endswith((".", ")")), (path, meaning)
+        assert main(["config", "--explain", path]) == 0, path
+        out = capsys.readouterr().out
+        head, *rest = out.splitlines()
+        assert head.startswith(f"{path} ("), out
+        assert " ".join(" ".join(rest).split()).endswith(" ".join(meaning.split())), out  # wrapped, whole
+        default = getattr(cls(), f.name)  # the class's own default, built here
+        assert f"  default: {json.dumps(default)}" in rest, (path, out)
+
+
+def test_explain_shows_the_config_value_beside_the_default(capsys):
+    from moelab.cli import main
+
+    assert main(["config", "tiny", "--explain", "model.router"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:4] == [  # tiny routes by sigmoid (presets.py); the class's default is softmax
+        "model.router (string)",
+        '  default: "softmax"',
+        '  in tiny: "sigmoid"',
+        '  choices: "softmax", "sigmoid"',
+    ]
+    assert main(["config", "tiny", "--set", "model.d_model=96", "--explain", "model.d_model"]) == 0
+    assert "  in tiny: 96" in capsys.readouterr().out.splitlines()
+
+
+def test_explain_a_section_lists_its_fields_one_line_each(capsys):
+    from moelab.cli import main
+    from moelab.config import MeshConfig
+
+    assert main(["config", "--explain", "mesh"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mesh: ") and len(lines) == 2 + 3
+    assert [x.split()[0] for x in lines[2:]] == ["data", "expert", "fsdp"]
+    for line, f in zip(lines[2:], __import__("dataclasses").fields(MeshConfig), strict=True):
+        assert line.split()[1] == json.dumps(f.default) and f.metadata["help"].startswith(line.split(None, 2)[2])
+
+
+@pytest.mark.parametrize(
+    "name,nearest", [("model.top_kk", "model.top_k"), ("top_k", "model.top_k"), ("optim.lr", "train.lr")]
+)
+def test_explain_an_unknown_field_is_one_line_with_the_nearest_names(name, nearest, capsys):
+    from moelab.cli import main
+
+    assert main(["config", "--explain", name]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"moelab: {name}: no such config field; did you mean ") and nearest in err
+
+
+def test_the_allowed_values_of_a_field_are_what_its_check_accepts():
+    """A field's listed choices (shown by --explain and the reference) are exactly what validation takes."""
+    from moelab.config import SECTIONS, explain
+
+    for path, f, _ in _all_fields():
+        if "choices" not in f.metadata:
+            continue
+        section, key = path.split(".")
+        assert explain(path)["choices"] == f.metadata["choices"]
+        for value in f.metadata["choices"]:
+            assert SECTIONS[section](**{key: value}).check() == [], (path, value)
+        problems = SECTIONS[section](**{key: "no-such-value"}).check()
+        assert len(problems) == 1 and problems[0].startswith(path), (path, problems)
+
+
+def test_meanings_leave_every_hash_as_it_was():
+    """Field metadata enters no hash: the hashes recorded before the fields carried their meanings."""
+    assert config_hash(load_config("tiny")) == "d68c6842fca8"
+    assert config_hash(load_config("marin-535b-a23b")) == "77e2a7fe5e84"
+    assert config_hash(load_config({})) == "c16bcb5732df"

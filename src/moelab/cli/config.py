@@ -110,7 +110,7 @@ def explain_field(args: argparse.Namespace) -> int:
         print(f"  in {label}: {show_value(value_in(info['name']))}")
     if "choices" in info:
         print(f"  choices: {', '.join(show_value(c) for c in info['choices'])}")
-    print(textwrap.fill(info["help"], width=100, initial_indent="  ", subsequent_indent="  "))
+    print(textwrap.fill(info["help"], 100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
     return 0
 
 
