@@ -123,6 +123,19 @@ PRESETS: dict[str, Callable[[], dict]] = {
     "tiny-softmax": _tiny_softmax,
 }
 
+# one line per preset: `moelab presets` and the generated configuration reference show it
+ABOUT: dict[str, str] = {
+    "marin-535b-a23b": "Marin's 535B-A23B hero: d 6144, 48 layers, 384 experts top-8; on GB200, optimizer state "
+    "and layer inputs in host memory",
+    "marin-ladder-d768": "Marin's ladder rung at d 768 (8 layers), 1 rack: the hero recipe, heads = d/128",
+    "marin-ladder-d1024": "Marin's ladder rung at d 1024 (12 layers), 2 racks",
+    "marin-ladder-d1536": "Marin's ladder rung at d 1536 (16 layers), 6 racks",
+    "marin-ladder-d2048": "Marin's ladder rung at d 2048 (22 layers), 11 racks",
+    "tiny": "Every feature of the hero recipe (sigmoid router, quantile bias, capacity dispatch, window, latent "
+    "experts) at a size that trains on 2 CPU cores",
+    "tiny-softmax": "The tiny model with a softmax router, Switch aux loss and dropless dispatch; no window or latent",
+}
+
 MARIN_LADDER = ("marin-ladder-d768", "marin-ladder-d1024", "marin-ladder-d1536", "marin-ladder-d2048")
 
 

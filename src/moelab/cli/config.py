@@ -116,11 +116,12 @@ def explain_field(args: argparse.Namespace) -> int:
 
 def cmd_presets(args: argparse.Namespace) -> int:
     from moelab import accounting
-    from moelab.presets import PRESETS
+    from moelab.presets import ABOUT, PRESETS
 
     for name in PRESETS:
         a = accounting.count(load_config(name))
-        print(f"{name:<22} total {accounting.human(a.total_params):>8}  active {accounting.human(a.active_params):>8}")
+        h = accounting.human
+        print(f"{name:<20} total {h(a.total_params):>8}  active {h(a.active_params):>8}  {ABOUT.get(name, '')}")
     return 0
 
 
@@ -149,5 +150,5 @@ def register(sub) -> None:
     )
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("presets", help="list the named configs")
+    p = sub.add_parser("presets", help="list the named configs: total and active parameters, what each is")
     p.set_defaults(func=cmd_presets)

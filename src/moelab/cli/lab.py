@@ -121,7 +121,7 @@ def register(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the graph, FLOPs and time; run nothing")
     p.add_argument("--only", metavar="REGEX", help="only steps whose name matches (and what they need)")
     p.add_argument("--force", metavar="REGEX", help="run matching steps again even if they succeeded")
-    p.add_argument("--max-concurrent", type=int, default=1, metavar="N")
+    p.add_argument("--max-concurrent", type=int, default=1, metavar="N", help="steps run at once (default 1)")
     p.add_argument(
         "--backend",
         choices=["local", "ray"],
@@ -132,24 +132,24 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("status", help="experiments under a prefix and their steps")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("issue", help="GitHub-issue markdown for an experiment")
-    p.add_argument("experiment")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("experiment", help="experiments/exp<issue>_<slug>.py")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.set_defaults(func=cmd_issue)
 
     p = sub.add_parser("change", help="record a mid-run change in an experiment's journal: what, why, at which step")
-    p.add_argument("experiment")
-    p.add_argument("--what", required=True)
-    p.add_argument("--why", required=True)
+    p.add_argument("experiment", help="experiments/exp<issue>_<slug>.py")
+    p.add_argument("--what", required=True, help="what changed")
+    p.add_argument("--why", required=True, help="why it changed")
     p.add_argument("--step", type=int, help="the training step it takes effect at")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.set_defaults(func=cmd_change)
 
     p = sub.add_parser("report", help="write the static site of every experiment under a prefix")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.add_argument("--out", required=True, help="the site's folder")
     p.set_defaults(func=cmd_report)
 

@@ -259,10 +259,10 @@ def cmd_replan(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     ladder = sub.add_parser("ladder", help="scaling-ladder tools").add_subparsers(dest="ladder_command", required=True)
     p = ladder.add_parser("fit-nd", help="fit Chinchilla's L(N, D) = E + A/N^alpha + B/D^beta to a CSV of runs")
-    p.add_argument("csv")
+    p.add_argument("csv", help="a CSV file of runs, one row each")
     p.add_argument("--n-col", required=True, help="column of parameter counts N")
     p.add_argument("--flops-col", required=True, help="column of training FLOPs C (D = C / 6N)")
-    p.add_argument("--loss-col", required=True)
+    p.add_argument("--loss-col", required=True, help="column of final losses L")
     p.add_argument("--exclude-top", type=int, default=0, metavar="K", help="leave out the K highest losses")
     p.add_argument("--delta", type=float, default=1e-3, help="Huber delta on log-loss (1e-3)")
     p.add_argument(
@@ -271,13 +271,13 @@ def register(sub) -> None:
         default="projection",
         help="starting points: variable projection (seconds) or Hoffmann et al.'s grid (a minute)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_ladder_fit_nd)
 
     p = ladder.add_parser("plan", help="the rungs of a ladder: shapes, parameters, tokens, steps, FLOPs, time")
     p.add_argument("ladder", help="a ladder YAML (see ladders/)")
     p.add_argument("--flops-per-s", type=float, help="achieved FLOP/s for the time estimate (default: measured)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_ladder_plan)
 
     p = ladder.add_parser(
@@ -285,7 +285,8 @@ def register(sub) -> None:
     )
     p.add_argument("--ladder", nargs="+", required=True, metavar="DIR", help="the rungs' run directories")
     p.add_argument("--target", required=True, help="the target's preset or config YAML (its own schedule is forecast)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one field of the target's config, for example --set train.steps=5000 (repeatable)")  # fmt: skip
     p.add_argument("--law", default=DEFAULT_LAW, choices=LAW_CHOICES, help=f"default {DEFAULT_LAW}")
     p.add_argument("--e", type=float, help="hold the irreducible loss E at this value (Marin holds it at 1.5)")
     p.add_argument("--metric", default="mix", choices=("mix", "macro"),
@@ -306,11 +307,11 @@ def register(sub) -> None:
     p.add_argument("--metric", default="mix", choices=("mix", "macro"),
                    help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip
     p.add_argument("--n-boot", type=positive_int, default=100, help="bootstrap draws for the band (default 100)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_ladder_backtest)
 
     p = sub.add_parser("health", help="health checks over a run's metrics: OK, WATCH or ALERT with evidence")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--forecast", help="a forecast.json to hold the eval loss against (default: RUN_DIR/forecast.json)")
     p.add_argument(
         "--ladder",
@@ -318,13 +319,13 @@ def register(sub) -> None:
         metavar="DIR",
         help="rung runs to hold the gradient norm and drops against (default: the forecast's rungs)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("replan", help="change a run's horizon: re-time the decay, move phases, re-forecast")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--tokens", type=float, required=True, help="the run's new total of training tokens")
     p.add_argument("--reason", required=True, help="why: it goes into the run's events")
     p.add_argument("--ladder", nargs="+", metavar="DIR", help="rung runs to re-forecast from (default: the forecast's)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_replan)

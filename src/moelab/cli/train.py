@@ -373,7 +373,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="held-out loss and bits per byte of a run's checkpoint")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
     p.add_argument(
         "--noise",
@@ -416,5 +416,5 @@ def register(sub) -> None:
     p.add_argument(
         "--examples", type=positive_int, default=16, metavar="N", help="with --retrieval: per length and depth"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)

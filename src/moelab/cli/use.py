@@ -91,22 +91,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a run's checkpoint (KV cache, dropless MoE)")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy (default 1)")
     p.add_argument(
         "--top-p", type=float, default=1.0, metavar="P", help="sample from the top P of the probability mass"
     )
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (text, token ids, seconds)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("export", help="a run's checkpoint for other tools: hf (transformers) or safetensors")
-    p.add_argument("format", choices=["hf", "safetensors"])
-    p.add_argument("run_dir")
+    p.add_argument(
+        "format", choices=["hf", "safetensors"], help="hf: a transformers model folder; safetensors: one file"
+    )
+    p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--out", required=True, help="hf: a new directory; safetensors: a new file")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
     p.set_defaults(func=cmd_export)
