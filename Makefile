@@ -9,7 +9,7 @@ HUGEPAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # the default run skips what is marked slow; -n is not used: 2 cores, JAX already uses both
 PYTEST := $(HUGEPAGES) $(PY) -m pytest -q
 
-.PHONY: demo test test-all test-ragged lint format bench clean
+.PHONY: demo test test-all test-ragged lint format bench docs clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,5 +48,12 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -c requirements.lock -e ".[dev,bench]"
 	$(HUGEPAGES) $(PY) benchmarks/run_all.py
 
+# the manual: the generated pages (the config and CLI references from the code, the measured results from
+# benchmarks/results/), then a strict build into site/ (a broken link or a missing page fails)
+docs: $(STAMP)
+	$(PY) -m moelab.docgen
+	$(PY) benchmarks/results_pages.py
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

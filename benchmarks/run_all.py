@@ -52,6 +52,8 @@ if __name__ == "__main__":
         if subprocess.run([sys.executable, str(HERE / script), *args]).returncode != 0:
             failed.append(script)
         took[script] = time.perf_counter() - t0
+    # the manual's results pages, from what the benchmarks just wrote
+    subprocess.run([sys.executable, str(HERE / "results_pages.py")])
     print(
         "== elapsed: "
         + ", ".join(f"{s} {t / 60:.1f} min" for s, t in took.items())

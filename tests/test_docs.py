@@ -1,0 +1,196 @@
+"""The manual cannot rot: it builds strictly, its generated pages are current, and its examples run.
+
+Every ```bash block of the README and of docs/ runs in a fresh folder, a page's blocks in order (a
+block titled ``title="NAME"`` is written to NAME first, so a page can show a config and then use it).
+``<!-- docs: slow -->`` before a block runs it only with the slow tests; ``<!-- docs: skip (why) -->``
+never (a cluster, a GPU). The conventions are in docs/index.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BIN = Path(sys.executable).parent
+SHELLS = {"sh", "shell", "console", "bash", "zsh"}
+MARK = re.compile(r"<!--\s*docs:\s*(slow|skip)\b(.*?)-->")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)(.*)$")
+TITLE = re.compile(r'title="([^"]+)"')
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    title: str
+    mark: str  # "", "slow" or "skip"
+    reason: str
+    code: str
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown page, with the mark on the line before each."""
+    lines = path.read_text().splitlines()
+    out, i, prev = [], 0, ""
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            if lines[i].strip():
+                prev = lines[i]
+            i += 1
+            continue
+        indent, fence, lang, rest = m.groups()
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        mark = MARK.search(prev)
+        t = TITLE.search(rest)
+        out.append(
+            Block(
+                page=str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name,
+                line=start + 1,
+                lang=lang.lower(),
+                title=t.group(1) if t else "",
+                mark=mark.group(1) if mark else "",
+                reason=mark.group(2).strip(" ()") if mark else "",
+                code="\n".join(body) + "\n",
+            )
+        )
+        prev, i = "", i + 1
+    return out
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def runnable(path: Path, slow: bool) -> list[Block]:
+    return [b for b in blocks(path) if b.lang == "bash" and b.mark != "skip" and (slow or b.mark != "slow")]
+
+
+def run_page(path: Path, folder: Path, slow: bool) -> None:
+    """Run a page's blocks in order in ``folder``; fail naming the block, its line and its output."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MOELAB_PROGRESS_EVERY": "1000"}
+    env.pop("COLUMNS", None)
+    for b in blocks(path):
+        if b.title:
+            target = folder / b.title
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(b.code)
+        if b.lang != "bash" or b.mark == "skip" or (b.mark == "slow" and not slow):
+            continue
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", b.code],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800 if slow else 120,
+        )
+        assert proc.returncode == 0, (
+            f"{b.page}:{b.line}: the block exited {proc.returncode}\n{b.code}\n"
+            f"--- stdout\n{proc.stdout[-2000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+
+
+def test_blocks_parse_marks_and_titles(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "Intro\n\n<!-- docs: slow -->\n```bash\nmoelab train tiny\n```\n\n"
+        '```yaml title="a.yaml"\nbase: tiny\n```\n\n<!-- docs: skip (a cluster) -->\n```bash\nsrun x\n```\n'
+        "```text\nout\n```\n\n```bash\necho hi\n```\n"
+    )
+    # parsed as written by hand: four blocks, the marks on the line before, the title on the fence
+    got = [(b.line, b.lang, b.title, b.mark, b.reason, b.code) for b in blocks(page)]
+    assert got == [
+        (4, "bash", "", "slow", "", "moelab train tiny\n"),
+        (8, "yaml", "a.yaml", "", "", "base: tiny\n"),
+        (13, "bash", "", "skip", "a cluster", "srun x\n"),
+        (16, "text", "", "", "", "out\n"),
+        (20, "bash", "", "", "", "echo hi\n"),
+    ]
+    assert [b.code for b in runnable(page, slow=False)] == ["echo hi\n"]
+    assert [b.code for b in runnable(page, slow=True)] == ["moelab train tiny\n", "echo hi\n"]
+
+
+def test_a_failing_block_fails_naming_page_and_line(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text('```text title="x.txt"\nhello\n```\n\n```bash\ngrep -q hello x.txt\nfalse\n```\n')
+    with pytest.raises(AssertionError, match=r"p.md:5: the block exited 1"):
+        run_page(page, tmp_path, slow=False)
+    assert (tmp_path / "x.txt").read_text() == "hello\n"
+
+
+def test_every_shell_block_is_bash_and_every_skip_says_why():
+    """A shell block in another fence (sh, console) would escape the runner; a skip must give its reason."""
+    for path in pages():
+        for b in blocks(path):
+            assert b.lang not in SHELLS - {"bash"}, f"{b.page}:{b.line}: shell blocks are ```bash (run by this test)"
+            if b.mark == "skip":
+                assert b.reason, f"{b.page}:{b.line}: <!-- docs: skip (why) --> needs its reason"
+
+
+FAST = [p for p in pages() if runnable(p, slow=False)]
+ALL = [p for p in pages() if runnable(p, slow=True)]
+
+
+@pytest.mark.parametrize("path", FAST, ids=[str(p.relative_to(ROOT)) for p in FAST])
+def test_quick_examples_run(path, tmp_path):
+    run_page(path, tmp_path, slow=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ALL, ids=[str(p.relative_to(ROOT)) for p in ALL])
+def test_all_examples_run(path, tmp_path):
+    run_page(path, tmp_path, slow=True)
+
+
+def test_results_pages_are_what_the_benchmarks_wrote():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "results_pages.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_manual_builds_strictly(tmp_path):
+    """mkdocs --strict: a broken link, a missing page or anchor, a page left out of the nav fails."""
+    if shutil.which("mkdocs", path=str(BIN)) is None:
+        pytest.fail("mkdocs is not installed: pip install -c requirements.lock -e '.[dev]'")
+    proc = subprocess.run(
+        [str(BIN / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "site" / "reference" / "config.html").exists()
+
+
+def test_results_page_renders_figures_as_written():
+    """A small result rendered by hand: scalars as field rows, a mapping of records as one table."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_pages as rp
+    finally:
+        sys.path.pop(0)
+    out: list[str] = []
+    rp.render(
+        {"steps": 1200, "ratio": 0.87752, "runs": {"a": {"loss": 3.41, "tok_s": 18600}, "b": {"loss": 3.5}}}, 2, out
+    )
+    assert "\n".join(out) == (
+        "| field | value |\n|---|---|\n| steps | 1,200 |\n| ratio | 0.8775 |\n\n### runs\n\n"
+        "|  | loss | tok_s |\n|---|---|---|\n| a | 3.41 | 18,600 |\n| b | 3.5 |  |\n"
+    )
+    assert rp.fmt(1.5e-5) == "1.5e-05" and rp.fmt(True) == "true" and rp.fmt(None) == "-"
