@@ -1,17 +1,58 @@
 """What a long phase says while it runs: a tqdm bar on a terminal; elsewhere (CI, a log file, nohup)
-plain lines on stderr every few seconds, so a log never goes silent."""
+plain lines on stderr every few seconds, so a log never goes silent. With MOELAB_TIMING=1 a command
+also stamps each phase of its process and prints their seconds at its end (``phase``)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def say(text: str, enabled: bool = True) -> None:
     """One line about the phase that starts now (stderr, flushed)."""
     if enabled:
         print(f"moelab: {text}", file=sys.stderr, flush=True)
+
+
+TIMING_ENV = "MOELAB_TIMING"
+_phases: list[tuple[str, float]] = []  # (name, time.time() at its start), the process's start first
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (an exec, such as the huge-pages restart, keeps the start), or
+    None where /proc does not say."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def phase(name: str) -> None:
+    """The phase ``name`` of this process starts now (the one before ends). Off unless MOELAB_TIMING=1:
+    then each start is a line on stderr, ``moelab: timing: NAME at T s`` (T from the process's start),
+    and ``exit`` (the command is done; the interpreter's shutdown follows) prints the seconds each phase
+    took, phases of the same name added up (a run's evaluations, its checkpoints)."""
+    if os.environ.get(TIMING_ENV) != "1":
+        return
+    if _phases and _phases[-1][0] == name:
+        return  # still in it (the steps between a run's evaluations and checkpoints)
+    now = time.time()
+    if not _phases:
+        age = _process_age()
+        _phases.append(("start-up", now - age if age is not None else now))
+    _phases.append((name, now))
+    t0 = _phases[0][1]
+    print(f"moelab: timing: {name} at {now - t0:.2f} s", file=sys.stderr, flush=True)
+    if name == "exit":
+        took: dict[str, float] = {}
+        for (what, start), (_, end) in zip(_phases, _phases[1:], strict=False):
+            took[what] = took.get(what, 0.0) + end - start
+        rows = "".join(f"\n  {what:<14} {s:7.2f}" for what, s in took.items())
+        print(f"moelab: seconds per phase ({TIMING_ENV}=1), {now - t0:.2f} to the exit:{rows}", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 def _eta(seconds: float) -> str:

@@ -28,7 +28,7 @@ from moelab.monitor.faults import Injector
 from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
-from moelab.progress import Progress, say
+from moelab.progress import Progress, phase, say
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
@@ -218,6 +218,7 @@ def train(
     The phases, in order: check what was asked, prepare the data, build or restore the state,
     launch (the record of what runs, the forecast and learning-rate plan it is held to, the health
     monitor), the step loop, the summary."""
+    phase("store check")
     run = RunDir(out)
     if cfg is not None:  # compute_dtype auto: what runs here is what the run records and hashes
         cfg = resolve_dtype(cfg)
@@ -305,6 +306,7 @@ class _Job:
         """A fresh state, or the newest complete checkpoint's (with the data position, the NaN guard's
         memory and the metrics cut back to its cursor)."""
         cfg, run = self.cfg, self.run
+        phase("state")
         say("building the model and optimiser state" + (" (or restoring the newest checkpoint)" if resume else ""),
             self.progress)  # fmt: skip
         self.h = optim.hyper(cfg)
@@ -349,6 +351,7 @@ class _Job:
         """The launch event, the step and the evaluator, the forecast and learning-rate plan the run
         is held to, and the health monitor (which first re-reads what survived of the metrics)."""
         cfg, run, store, steps = self.cfg, self.run, self.store, self.steps
+        phase("launch")
         run.event(
             "launch",
             config_hash=config_hash(cfg),
@@ -369,7 +372,9 @@ class _Job:
         self.shardings = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.state)
         # MFU per device, against one device's peak in the compute dtype (the mesh's tokens/s over all of them)
         set_matmul_precision(cfg)
+        phase("peak")
         self.peak, self.peak_source = device_peak(cfg, self.progress)
+        phase("launch")
         self.n_devices = cfg.mesh.data * cfg.mesh.expert
         self.evals = eval_points(cfg, steps)
         self.poison = set(cfg.train.poison_steps)
@@ -435,8 +440,10 @@ class _Job:
         """Every step from the start: a batch, the update, the NaN guard, then logs, evals and checkpoints."""
         run, inj = self.run, self.injector
         if self.start == 0 and not self.cursor_ok:
+            phase("initial eval")
             say("evaluating the initial model on the held-out windows", self.progress)
             self.evaluate(0)
+        phase("compile")
         say(f"compiling the train step (step {self.start + 1} waits for it; the XLA cache keeps it for reruns)",
             self.progress)  # fmt: skip
         self.bar = Progress(self.steps, self.start, desc="train", unit="step", enabled=self.progress)
@@ -467,6 +474,8 @@ class _Job:
             if warm:  # the first step in a process compiles; it is not timed
                 timing[0] += time.perf_counter() - t0
                 timing[1] += 1
+            else:
+                phase("steps")
             warm = True
             if not finite:
                 back = self.nan_guard(s, metrics)
@@ -496,8 +505,10 @@ class _Job:
         return batch if self.mesh is None else pmesh.put_batch(batch, self.mesh)
 
     def finish(self) -> dict:
+        phase("checkpoint")
         say("waiting for the last checkpoint to be complete", self.progress and self.ckpts.saving())
         self.ckpts.close()  # the run never ends with a save in flight
+        phase("summary")
         summary = summarize(self.run, self.cfg, self.peak, self.peak_source)
         self.run.summary.write_text(json.dumps(summary, indent=1))
         self.run.event("end", step=self.steps, summary=summary)
@@ -611,12 +622,15 @@ class _Job:
             self.bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
             timing[:] = [0.0, 0]
         if done in self.evals:
+            phase("final eval" if done == steps else "eval")
             self.evaluate(done)
         if done % cfg.train.checkpoint_every == 0 or done == steps or done in cfg.train.keep_steps:
             # a new checkpoint is a new place to restore to: the guard may restore again, and the
             # checkpoint says so, or a run resumed from it would stop where this one restores
             self.guard["restored"] = False
+            phase("checkpoint")
             self.save(done)
+        phase("steps")  # (a step that follows; the last one's is empty)
 
 
 def matmul_dtype(cfg: Config, backend: str | None = None) -> str:

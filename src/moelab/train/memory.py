@@ -36,6 +36,7 @@ from moelab import devices
 from moelab.config import Config, load_config, phase_config, phase_seq_lens
 from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
+from moelab.progress import phase
 
 MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
 FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics",
@@ -661,12 +662,22 @@ def fit_check(cfg: Config) -> None:
     plan's figure and the largest micro-batch that fits. ``MOELAB_NO_FIT_CHECK=1`` skips it."""
     import os
 
+    import jax  # noqa: F401 - (loaded already by a run; an import is start-up, not the check)
+
+    if os.environ.get("MOELAB_NO_FIT_CHECK"):
+        return
+    phase("fit check")
+    try:
+        _fit_check(cfg)
+    finally:
+        phase("start-up")  # (MOELAB_TIMING=1: the imports of the training modules that follow count as start-up)
+
+
+def _fit_check(cfg: Config) -> None:
     import jax
 
     from moelab.errors import RunRefused
 
-    if os.environ.get("MOELAB_NO_FIT_CHECK"):
-        return
     data, expert = cfg.mesh.data, cfg.mesh.expert
     n_dev = data * expert
     if n_dev > jax.device_count() or cfg.model.n_routed % expert or cfg.train.batch_size % n_dev:
