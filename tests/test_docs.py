@@ -194,3 +194,12 @@ def test_results_page_renders_figures_as_written():
         "|  | loss | tok_s |\n|---|---|---|\n| a | 3.41 | 18,600 |\n| b | 3.5 |  |\n"
     )
     assert rp.fmt(1.5e-5) == "1.5e-05" and rp.fmt(True) == "true" and rp.fmt(None) == "-"
+
+
+def test_readme_links_reach_files():
+    """The README is read on GitHub, outside the mkdocs build: its relative links must reach files."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert links, "the README links to the manual"
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, f"README links to missing files: {missing}"
