@@ -162,7 +162,7 @@ class ModelConfig:
     )
     eval_dispatch: str = _f(
         "",
-        'Dispatch outside training (evaluation, sampling); "" = the same as dispatch. A model trained with drops can so be evaluated dropless.',
+        'Dispatch outside training (evaluation, sampling); "" = the same as dispatch. It lets a model trained with drops be evaluated dropless.',
         ("",) + DISPATCHES,
     )
     capacity_factor: float = _f(
