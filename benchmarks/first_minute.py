@@ -3,7 +3,8 @@ cold (an empty cache: no token store, no compiled programs) and warm (the same c
 second command, a warm `moelab train tiny --steps 2`, phase by phase from its start to its exit.
 
 Each run is a fresh process with stderr a pipe (as on CI or in a log file); every line it prints is
-stamped with the time it arrived, and the phases are the gaps between the lines that open them.
+stamped with the time it arrived, and the phases are the gaps between the lines that open them
+(the 2-step command's also in CPU seconds, which the other load of a shared machine changes less).
 To the first step: import (to the first line), data (indexing), tokenizer, tokenizing (and writing
 the store), state (the model and optimiser state), peak (the matmul peak for MFU, measured once a
 week), initial eval, compile (to the line of step 1). Targets: first step within 30 s cold and 10 s
@@ -81,24 +82,28 @@ def first_step_phases(lines: list[tuple[float, str]], total: float) -> dict:
     return {"first_step_s": round(first, 2), "total_s": round(total, 2), "phases": phases}
 
 
-def process_phases(lines: list[tuple[float, str]], total: float) -> dict[str, float]:
+def process_phases(lines: list[tuple[float, str]], total: float, cpu_total: float | None = None) -> dict:
     """Seconds of each phase of a MOELAB_TIMING=1 process, in PHASES' order, from its stamped stderr
-    lines and the seconds to its exit: start-up to the first mark, each mark to the next (a name
-    opened again adds up), exit from its mark to the process's end. ValueError without the marks."""
+    lines and the seconds to its exit: ``wall`` (start-up to the first mark, each mark to the next, a
+    name opened again adding up, exit from its mark to the process's end) and ``cpu`` (from the CPU
+    seconds each mark carries; exit's from ``cpu_total``, the process's whole, when given).
+    ValueError without the marks."""
     marks = []
     for t, text in lines:
         if text.startswith(MARK):
-            name = text[len(MARK) :].rsplit(" at ", 1)[0]
+            name, _, rest = text[len(MARK) :].rpartition(" at ")
             if name not in PHASES:
                 raise ValueError(f"unknown phase {name!r} in {text!r}")
-            marks.append((name, t))
+            marks.append((name, t, float(rest.rsplit("cpu ", 1)[1].split()[0])))
     if not marks or marks[-1][0] != "exit":
         raise ValueError("no MOELAB_TIMING=1 marks ending in 'exit': was the process run with MOELAB_TIMING=1?")
-    took = dict.fromkeys(PHASES, 0.0)
-    took["start-up"] = marks[0][1]
-    for (name, t), (_, end) in zip(marks, [*marks[1:], ("end", total)], strict=True):
-        took[name] += end - t
-    return {k: round(v, 2) for k, v in took.items()}
+    wall, cpu = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0)
+    wall["start-up"], cpu["start-up"] = marks[0][1], marks[0][2]
+    ends = [*marks[1:], ("end", total, cpu_total if cpu_total is not None else marks[-1][2])]
+    for (name, t, c), (_, t_end, c_end) in zip(marks, ends, strict=True):
+        wall[name] += t_end - t
+        cpu[name] += c_end - c
+    return {"wall": {k: round(v, 2) for k, v in wall.items()}, "cpu": {k: round(v, 2) for k, v in cpu.items()}}
 
 
 def first_minute(cache: Path, out: Path) -> dict:
@@ -112,7 +117,7 @@ def second_command(cache: Path, out: Path) -> dict:
     """One warm `moelab train tiny --steps 2` into a fresh ``out``, phase by phase."""
     env = {**os.environ, "MOELAB_CACHE": str(cache), "MOELAB_PROGRESS_EVERY": "1000", "MOELAB_TIMING": "1"}
     lines, total, cpu = stamped(["train", "tiny", "--steps", "2", "--out", str(out)], env)
-    return {"total_s": round(total, 2), "cpu_s": round(cpu, 2), "phases": process_phases(lines, total)}
+    return {"total_s": round(total, 2), "cpu_s": round(cpu, 2), **process_phases(lines, total, cpu)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -125,7 +130,8 @@ def summarize(runs: list[dict]) -> dict:
         "runs": len(runs),
         "total_s": spread([r["total_s"] for r in runs]),
         "cpu_s": spread([r["cpu_s"] for r in runs]),
-        "phases_median_s": {k: round(statistics.median(r["phases"][k] for r in runs), 2) for k in PHASES},
+        "phases_median_s": {k: round(statistics.median(r["wall"][k] for r in runs), 2) for k in PHASES},
+        "phases_cpu_median_s": {k: round(statistics.median(r["cpu"][k] for r in runs), 2) for k in PHASES},
         "each": runs,
     }
 
@@ -173,9 +179,12 @@ def main() -> None:
         rec[args.record] = {"date": date.today().isoformat(), "machine": machine, **second}
         args.record_file.write_text(json.dumps(rec, indent=1) + "\n")
     t = second["total_s"]
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in second["phases_median_s"].items())
+    c = second["cpu_s"]
+    parts = ", ".join(
+        f"{k} {v:.1f} ({second['phases_cpu_median_s'][k]:.1f})" for k, v in second["phases_median_s"].items()
+    )
     print(f"second command: {t['median']:.1f} s to exit (median of {len(runs)}; {t['min']:.1f}-{t['max']:.1f}; "
-          f"target 10 s; load average {load:.1f} before): {parts}")  # fmt: skip
+          f"target 10 s; {c['median']:.1f} CPU s; load average {load:.1f} before); each phase, wall (CPU): {parts}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def say(text: str, enabled: bool = True) -> None:
 
 
 TIMING_ENV = "MOELAB_TIMING"
-_phases: list[tuple[str, float]] = []  # (name, time.time() at its start), the process's start first
+# (name, wall time, CPU seconds of the process) at each phase's start, the process's start first
+_phases: list[tuple[str, float, float]] = []
 
 
 def _process_age() -> float | None:
@@ -32,27 +33,31 @@ def _process_age() -> float | None:
 
 def phase(name: str) -> None:
     """The phase ``name`` of this process starts now (the one before ends). Off unless MOELAB_TIMING=1:
-    then each start is a line on stderr, ``moelab: timing: NAME at T s`` (T from the process's start),
-    and ``exit`` (the command is done; the interpreter's shutdown follows) prints the seconds each phase
-    took, phases of the same name added up (a run's evaluations, its checkpoints)."""
+    then each start is a line on stderr, ``moelab: timing: NAME at T s, cpu C s`` (T from the process's
+    start, C the CPU seconds of all its threads so far), and ``exit`` (the command is done; the
+    interpreter's shutdown follows) prints the seconds each phase took, wall and CPU, phases of the same
+    name added up (a run's evaluations, its checkpoints). The CPU seconds say where the work is on a
+    machine whose other load stretches the wall time."""
     if os.environ.get(TIMING_ENV) != "1":
         return
     if _phases and _phases[-1][0] == name:
         return  # still in it (the steps between a run's evaluations and checkpoints)
-    now = time.time()
+    now, times = time.time(), os.times()
     if not _phases:
         age = _process_age()
-        _phases.append(("start-up", now - age if age is not None else now))
-    _phases.append((name, now))
+        _phases.append(("start-up", now - age if age is not None else now, 0.0))
+    _phases.append((name, now, times.user + times.system))
     t0 = _phases[0][1]
-    print(f"moelab: timing: {name} at {now - t0:.2f} s", file=sys.stderr, flush=True)
+    print(f"moelab: timing: {name} at {now - t0:.2f} s, cpu {_phases[-1][2]:.2f} s", file=sys.stderr, flush=True)
     if name == "exit":
-        took: dict[str, float] = {}
-        for (what, start), (_, end) in zip(_phases, _phases[1:], strict=False):
-            took[what] = took.get(what, 0.0) + end - start
-        rows = "".join(f"\n  {what:<14} {s:7.2f}" for what, s in took.items())
-        print(f"moelab: seconds per phase ({TIMING_ENV}=1), {now - t0:.2f} to the exit:{rows}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        took: dict[str, list[float]] = {}
+        for (what, start, cpu0), (_, end, cpu1) in zip(_phases, _phases[1:], strict=False):
+            row = took.setdefault(what, [0.0, 0.0])
+            row[0] += end - start
+            row[1] += cpu1 - cpu0
+        rows = "".join(f"\n  {what:<14} {w:7.2f} {c:7.2f}" for what, (w, c) in took.items())
+        print(f"moelab: seconds per phase ({TIMING_ENV}=1), {now - t0:.2f} to the exit; wall, then CPU:{rows}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _eta(seconds: float) -> str:
