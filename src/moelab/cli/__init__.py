@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 from moelab.cli import bench, config, lab, ladder, plan, train, use
+from moelab.cli.common import new_outputs, remove_new_outputs  # (the standard library alone: no start-up cost)
 from moelab.errors import ConfigError, RunError, UsageError
 
 
@@ -37,13 +39,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         restart_with_hugepages(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    started, created = time.time_ns(), new_outputs(args)  # a refused command leaves none of them behind
     try:
         return args.func(args)
     except ConfigError as exc:
+        remove_new_outputs(created, started)
         for line in exc.errors:
             print(f"moelab: {line}", file=sys.stderr)
         return 2
     except UsageError as exc:
+        remove_new_outputs(created, started)
         print(f"moelab: {exc}", file=sys.stderr)
         return 2
     except RunError as exc:

@@ -1,10 +1,16 @@
 """What the command modules share: the config arguments, number checks and the printing of a run's
-summary and a ladder's plan."""
+summary and a ladder's plan; what a refused command created, removed."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+from pathlib import Path
+
+OUTPUT_ARGS = ("out", "prefix", "site")  # the arguments that name where a command writes
+CLOCK_SLACK_NS = 2_000_000_000  # a file's time stamp lags the clock by up to a tick; a copy can round it down
 
 
 def add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
@@ -20,6 +26,54 @@ def add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one field, for example --set model.top_k=4 (repeatable)",
     )
+
+
+def new_outputs(args: argparse.Namespace) -> list[Path]:
+    """Where this command may create what does not exist yet: for each output argument (--out,
+    --prefix, --site) naming a missing path, the outermost missing folder on the way to it (what
+    ``mkdir(parents=True)`` would make first). A path that exists already is never listed."""
+    found = []
+    for name in OUTPUT_ARGS:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(os.path.abspath(value))
+        if os.path.lexists(path):
+            continue
+        while not os.path.lexists(path.parent):
+            path = path.parent
+        if path not in found:
+            found.append(path)
+    return found
+
+
+def _written_since(path: Path, since_ns: int) -> bool:
+    """Whether ``path`` and everything under it (links not followed) was written since ``since_ns``."""
+    if os.lstat(path).st_mtime_ns < since_ns:
+        return False
+    if not path.is_dir() or path.is_symlink():
+        return True
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            if os.lstat(os.path.join(root, name)).st_mtime_ns < since_ns:
+                return False
+    return True
+
+
+def remove_new_outputs(paths: list[Path], started_ns: int) -> None:
+    """After a refusal: remove what the command created at ``paths`` (from ``new_outputs``, taken
+    before it ran), so that nothing half-written stays. A path holding anything older than the command
+    (not written by it) is left as it is."""
+    for path in paths:
+        try:
+            if not os.path.lexists(path) or not _written_since(path, started_ns - CLOCK_SLACK_NS):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:  # cleaning up is a courtesy: the refusal's own line is what the user reads
+            continue
 
 
 def positive_int(text: str) -> int:
