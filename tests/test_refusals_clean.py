@@ -147,5 +147,38 @@ def test_what_the_command_did_not_write_stays(tmp_path):
     remove_new_outputs([tmp_path / "a"], started)
     assert old.read_text() == "not ours"
     old.unlink()
+    for done in ("metrics.jsonl", "ckpt/step_00000010/commit_success.txt", "lab/t-1a2b.status"):
+        work = tmp_path / "a" / "b" / done  # a refusal after work was done (a refit mid-run): the run stays
+        work.parent.mkdir(parents=True, exist_ok=True)
+        work.write_text("{}")
+        remove_new_outputs([tmp_path / "a"], started)
+        assert work.is_file(), done
+        work.unlink()
     remove_new_outputs([tmp_path / "a"], started)
     assert not Path(tmp_path / "a").exists() and tmp_path.is_dir()
+
+
+@pytest.mark.slow
+def test_a_supervised_run_refused_by_its_first_process_leaves_no_folder(inputs, tmp_path):
+    """--max-restarts: the child process refuses (and says so); the parent made the folder and removes it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "new" / "run"
+    args = [
+        "train",
+        "tiny",
+        *SETS,
+        "--max-restarts",
+        "1",
+        "--out",
+        str(out),
+        "--data",
+        str(inputs["f"] / "missing.txt"),
+    ]
+    proc = subprocess.run([sys.executable, "-m", "moelab", *args], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        f"moelab: {inputs['f'] / 'missing.txt'}: no such file or directory"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -41,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started, created = time.time_ns(), new_outputs(args)  # a refused command leaves none of them behind
     try:
-        return args.func(args)
+        code = args.func(args)
+        if code == 2:  # refused where it was said (a supervised run's first process)
+            remove_new_outputs(created, started)
+        return code
     except ConfigError as exc:
         remove_new_outputs(created, started)
         for line in exc.errors:

@@ -47,15 +47,22 @@ def new_outputs(args: argparse.Namespace) -> list[Path]:
     return found
 
 
-def _written_since(path: Path, since_ns: int) -> bool:
-    """Whether ``path`` and everything under it (links not followed) was written since ``since_ns``."""
-    if os.lstat(path).st_mtime_ns < since_ns:
+# what says a command got past its checks and did work worth keeping (a refusal after it, say a
+# forecast that cannot be refit mid-run, leaves the run to resume): a measurement, a committed
+# checkpoint, a lab step's status
+WORK_DONE = ("metrics.jsonl", "commit_success.txt", ".status")
+
+
+def _removable(path: Path, since_ns: int) -> bool:
+    """Whether everything at ``path`` (links not followed) was written since ``since_ns`` and none of
+    it records work done."""
+    if os.lstat(path).st_mtime_ns < since_ns or path.name.endswith(WORK_DONE):
         return False
     if not path.is_dir() or path.is_symlink():
         return True
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
-            if os.lstat(os.path.join(root, name)).st_mtime_ns < since_ns:
+            if name.endswith(WORK_DONE) or os.lstat(os.path.join(root, name)).st_mtime_ns < since_ns:
                 return False
     return True
 
@@ -63,10 +70,10 @@ def _written_since(path: Path, since_ns: int) -> bool:
 def remove_new_outputs(paths: list[Path], started_ns: int) -> None:
     """After a refusal: remove what the command created at ``paths`` (from ``new_outputs``, taken
     before it ran), so that nothing half-written stays. A path holding anything older than the command
-    (not written by it) is left as it is."""
+    (not written by it), or a record of work done (WORK_DONE), is left as it is."""
     for path in paths:
         try:
-            if not os.path.lexists(path) or not _written_since(path, started_ns - CLOCK_SLACK_NS):
+            if not os.path.lexists(path) or not _removable(path, started_ns - CLOCK_SLACK_NS):
                 continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
