@@ -100,9 +100,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     prefix, out = Path(args.prefix), Path(args.out)
     if not prefix.is_dir():
-        raise UsageError(f"--prefix: no such directory {prefix}; give the prefix `moelab run` wrote to")
+        raise UsageError(
+            f"--prefix: no such directory {prefix}; give a folder of runs (`moelab train --out`) or the prefix "
+            "`moelab run` wrote to"
+        )
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: is a file; the site is a folder (index.html and a page per experiment)")
+        raise UsageError(f"--out {out}: is a file; the site is a folder (index.html and a page per experiment and run)")
     index = build_site(prefix, out)
     print(f"site: {index}")
     return 0
@@ -148,8 +151,12 @@ def register(sub) -> None:
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.set_defaults(func=cmd_change)
 
-    p = sub.add_parser("report", help="write the static site of every experiment under a prefix")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
+    p = sub.add_parser(
+        "report", help="write the static site of every experiment and every plain run (moelab train) under a folder"
+    )
+    p.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="the folder of experiments and runs, at any depth (default runs/lab)"
+    )
     p.add_argument("--out", required=True, help="the site's folder")
     p.set_defaults(func=cmd_report)
 

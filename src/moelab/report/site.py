@@ -1,4 +1,8 @@
-"""`moelab report`: a static site of every experiment under a prefix, readable offline.
+"""`moelab report`: a static site of every experiment and every plain run under a prefix, readable offline.
+
+An experiment is found by its journal (``experiments/NAME/journal.jsonl`` under the prefix or a
+folder below it); a plain run (`moelab train --out DIR`) by its ``config.json`` in a folder that is
+no lab step's output. The index lists both; each gets a page.
 
 Plain HTML and CSS with the plots inlined as SVG by matplotlib: no JavaScript, no CDN, no
 server, so the pages open from a folder, an archive or a mail attachment exactly as written.
@@ -177,7 +181,7 @@ def run_plots(run_dir: Path) -> list[tuple[str, str]]:
 
     fig, ax = _fig("Loss: training, and held-out per domain", ylabel="nats / token")
     if tr:
-        ax.plot(steps, [r["loss"] for r in tr], color="0.6", lw=1, label="train (batch)")
+        ax.plot(steps, [r["loss"] for r in tr], color="0.6", lw=1, label="train (batch)", gid="train-loss")
     if ev:
         for d in ev[0]["loss"]:
             ax.plot(
@@ -467,12 +471,160 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
     return _page(decl.get("title", name), "".join(body)), info
 
 
+SKIP_DIRS = ("ckpt", "evals", "experiments", "tensorboard", "wandb")  # a run's or a lab's own folders
+
+
+def find_records(prefix: Path) -> tuple[list[Path], list[Path]]:
+    """(journals of experiments, plain run folders) under ``prefix``, sorted. A lab prefix below it
+    counts (``--prefix runs`` finds runs/lab's experiments); a lab step's output (it has its
+    provenance.json or its .status beside it), an attempt and a set-aside output are the lab's, not runs."""
+    journals, runs = [], []
+    stack = [prefix]
+    while stack:
+        folder = stack.pop()
+        if (folder / "config.json").is_file():  # a run (the prefix may be one), or a lab step's output
+            if _is_run(folder):
+                runs.append(folder)
+            continue  # a run's own folders hold no other run
+        journals.extend(folder.glob("experiments/*/journal.jsonl"))
+        try:
+            below = [p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()]
+        except OSError:
+            continue
+        stack.extend(p for p in below if not p.name.startswith(".") and p.name not in SKIP_DIRS
+                     and not p.name.endswith(".attempts") and ".replaced-" not in p.name)  # fmt: skip
+    return sorted(journals), sorted(runs)
+
+
+def _is_run(folder: Path) -> bool:
+    """A plain run's folder: its config.json as a run writes it, and no lab step's marks."""
+    cfg = folder / "config.json"
+    if not cfg.is_file() or (folder / "provenance.json").exists():
+        return False
+    if folder.with_name(folder.name + ".status").exists():  # a lab step's output before its provenance
+        return False
+    try:
+        rec = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and isinstance(rec.get("config"), dict) and "hash" in rec
+
+
+def _rel(prefix: Path, run_dir: Path) -> str:
+    """The run's path under the prefix (its own name when the prefix is the run)."""
+    return run_dir.name if run_dir == prefix else run_dir.relative_to(prefix).as_posix()
+
+
+def run_page_name(prefix: Path, run_dir: Path) -> str:
+    """run-<the run's path under the prefix>.html, slashes as '__' (an experiment's page is its name)."""
+    rel = _rel(prefix, run_dir).replace("/", "__")
+    return "run-" + "".join(c if c.isalnum() or c in "._-" else "-" for c in rel) + ".html"
+
+
+def _fmt(x) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else E(str(x))
+
+
+def _after_training(run_dir: Path) -> str:
+    """`moelab eval`'s results kept in the run's evals/: held-out loss, tasks, retrieval, the harness."""
+    out = []
+    for path in sorted((run_dir / "evals").glob("*.json")):
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError):
+            out.append(f"<p class=muted>{E(path.name)}: not readable as JSON</p>")
+            continue
+        rows = []
+        for key in ("loss", "bpb", "loss_dropless", "bpb_dropless", "acc"):
+            if isinstance(res.get(key), dict):
+                rows += [(f"{key} {k}", v) for k, v in res[key].items() if isinstance(v, (int, float))]
+        for task, got in (res.get("tasks") or {}).items():
+            if isinstance(got, dict):
+                rows += [(f"{task} {k}", v) for k, v in got.items() if isinstance(v, (int, float))]
+        table = "".join(f"<tr><td>{E(k)}</td><td>{_fmt(v)}</td></tr>" for k, v in rows)
+        out.append(
+            f"<h3>{E(path.name)}</h3>"
+            + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if rows else "")
+            + f"<details><summary>the whole result</summary><pre>{E(json.dumps(res, indent=1)[:20000])}</pre></details>"
+        )
+    return "<h2>Evaluations after training</h2>" + "".join(out) if out else ""
+
+
+def run_page(prefix: Path, run_dir: Path) -> tuple[str, dict]:
+    """A plain run's page (its figures, its evaluations, config and timeline) and its index row."""
+    from moelab import accounting
+    from moelab.config import config_from_dict
+
+    rel = _rel(prefix, run_dir)
+    saved = json.loads((run_dir / "config.json").read_text())
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    tr = [r for r in recs if r.get("kind") == "train"]
+    ev = [r for r in recs if r.get("kind") == "eval"]
+    planned = saved["config"].get("train", {}).get("steps")
+    last_event = next((e["event"] for e in reversed(events) if e.get("event") not in ("checkpoint",)), "")
+    status = (
+        "finished"
+        if (run_dir / "summary.json").exists()
+        else "failed"
+        if last_event in ("failure", "gave_up")
+        else "unfinished"
+    )
+    try:
+        flops = accounting.run_train(config_from_dict(saved["config"]))["train_flops"]
+    except Exception:  # noqa: BLE001 - a config of an older layout: the page still shows its records
+        flops = None
+    info = {
+        "dir": rel,
+        "page": run_page_name(prefix, run_dir),
+        "name": saved["config"].get("name") or rel,
+        "status": status,
+        "steps": tr[-1]["step"] if tr else 0,
+        "planned": planned,
+        "tokens": tr[-1]["tokens"] if tr else 0,
+        "final_loss": tr[-1]["loss"] if tr else None,
+        "final_eval": ev[-1]["loss"].get("macro") if ev and isinstance(ev[-1].get("loss"), dict) else None,
+        "eval_step": ev[-1]["step"] if ev else None,
+        "flops": flops,
+        "hash": saved.get("hash", ""),
+    }
+    started = next((e.get("time") for e in events if e.get("event") == "launch"), None)
+    final = "-" if info["final_loss"] is None else f"{info['final_loss']:.6g}"
+    held = "-" if info["final_eval"] is None else f"{info['final_eval']:.4f} at step {info['eval_step']}"
+    body = [
+        f"<p><a href='index.html'>all experiments and runs</a></p><h1>Run {E(rel)}</h1>",
+        f"<p class=muted>config {E(str(info['name']))}, hash <code>{E(str(info['hash']))}</code>"
+        + (f", launched {_when(started)}" if started else "")
+        + "</p>",
+        "<table><tr><th>status</th><th>steps</th><th>tokens</th><th>final train loss</th>"
+        "<th>held-out loss (macro)</th><th>training FLOPs</th></tr>",
+        f"<tr><td>{E(status)}</td><td>{info['steps']} of {E(str(planned))}</td><td>{info['tokens']:,}</td>"
+        f"<td id=final-loss>{final}</td><td>{held}</td><td>{'-' if flops is None else format(flops, '.3g')}</td>"
+        "</tr></table>",
+    ]
+    health = run_dir / "health.json"
+    if health.exists():
+        body.append(_health_section(rel, json.loads(health.read_text()), []))
+    plots = run_plots(run_dir)
+    if plots:
+        body.append("<h2>Plots</h2><div class=plots>")
+        body.extend(f"<div class='plot' id='run-{k}'>{svg}</div>" for k, svg in plots)
+        body.append("</div>")
+    body.append(_after_training(run_dir))
+    body.append(f"<h2>Configuration</h2><details><summary>config.json</summary><pre>"
+                f"{E(json.dumps(saved['config'], indent=1, sort_keys=True))}</pre></details>")  # fmt: skip
+    if events:
+        body.append("<h2>Timeline</h2>" + _timeline(events))
+    return _page(f"run {rel}", "".join(body)), info
+
+
 def build_site(prefix: Path, out: Path) -> Path:
-    """Write index.html and one page per experiment; returns the index's path."""
+    """Write index.html, one page per experiment and one per plain run; returns the index's path."""
     out.mkdir(parents=True, exist_ok=True)
+    journals, runs = find_records(prefix)
     rows = []
-    for journal_path in sorted(prefix.glob("experiments/*/journal.jsonl")):
-        page, info = experiment_page(prefix, journal_path)
+    for journal_path in journals:
+        page, info = experiment_page(journal_path.parents[2], journal_path)
         (out / f"{info['name']}.html").write_text(page)
         v = info["verdict"] or "-"
         late = "".join(f"<br><span class=posthoc>{E(x)}</span>" for x in info["post_hoc"])
@@ -480,12 +632,33 @@ def build_site(prefix: Path, out: Path) -> Path:
             f"<tr><td><a href='{E(info['name'])}.html'>{E(info['title'])}</a></td><td>{E(info['status'])}</td>"
             f"<td class='{E(v)}'>{E(v)}{late}</td><td>{info['compute']:.3g}</td></tr>"
         )
-    body = (
-        "<h1>moelab experiments</h1><table><tr><th>experiment</th><th>status</th><th>verdict</th>"
-        "<th>training FLOPs spent</th></tr>" + "".join(rows) + "</table>"
-    )
-    if not rows:
-        body += f"<p>No experiments under {E(str(prefix))} yet.</p>"
+    run_rows = []
+    for run_dir in runs:
+        page, info = run_page(prefix, run_dir)
+        (out / info["page"]).write_text(page)
+        loss = "-" if info["final_loss"] is None else f"{info['final_loss']:.4f}"
+        held = "-" if info["final_eval"] is None else f"{info['final_eval']:.4f}"
+        flops = "-" if info["flops"] is None else f"{info['flops']:.3g}"
+        run_rows.append(
+            f"<tr><td><a href='{E(info['page'])}'>{E(info['dir'])}</a></td><td>{E(str(info['name']))}</td>"
+            f"<td>{E(info['status'])}</td><td>{info['steps']} of {E(str(info['planned']))}</td><td>{loss}</td>"
+            f"<td>{held}</td><td>{flops}</td></tr>"
+        )
+    body = ["<h1>moelab experiments and runs</h1>"]
+    if rows:
+        body.append(
+            "<h2>Experiments</h2><table><tr><th>experiment</th><th>status</th><th>verdict</th>"
+            "<th>training FLOPs spent</th></tr>" + "".join(rows) + "</table>"
+        )
+    if run_rows:
+        body.append(
+            "<h2>Runs</h2><table><tr><th>run</th><th>config</th><th>status</th><th>steps</th>"
+            "<th>final train loss</th><th>held-out loss (macro)</th><th>training FLOPs</th></tr>"
+            + "".join(run_rows)
+            + "</table>"
+        )
+    if not rows and not run_rows:
+        body.append(f"<p>No experiments or runs under {E(str(prefix))} yet.</p>")
     index = out / "index.html"
-    index.write_text(_page("moelab experiments", body))
+    index.write_text(_page("moelab experiments and runs", "".join(body)))
     return index
