@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -134,28 +133,37 @@ def test_a_folder_that_was_there_stays_as_it_was(inputs, tmp_path, capsys, quick
 
 
 def test_what_the_command_did_not_write_stays(tmp_path):
-    """A new path that holds a file older than the command (another writer's) is left whole."""
+    """A new path that holds a file older than the command (another writer's), or a record of work
+    done, is left whole; a parent it made that another command writes in too stays with that work."""
     import argparse
 
     started = time.time_ns()
-    args = argparse.Namespace(out=str(tmp_path / "a" / "b"), prefix=str(tmp_path), site=None)
-    assert new_outputs(args) == [tmp_path / "a"]  # the outermost folder made; an existing prefix is never listed
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    old = tmp_path / "a" / "b" / "theirs.txt"
+    ours, top = tmp_path / "a" / "b", tmp_path / "a"
+    args = argparse.Namespace(out=str(ours), prefix=str(tmp_path), site=None)
+    assert new_outputs(args) == [(ours, top)]  # the outermost folder made; an existing prefix is never listed
+    ours.mkdir(parents=True)
+    old = ours / "theirs.txt"
     old.write_text("not ours")
     os.utime(old, ns=(started - 3600 * 10**9,) * 2)
-    remove_new_outputs([tmp_path / "a"], started)
+    remove_new_outputs([(ours, top)], started)
     assert old.read_text() == "not ours"
     old.unlink()
     for done in ("metrics.jsonl", "ckpt/step_00000010/commit_success.txt", "lab/t-1a2b.status"):
-        work = tmp_path / "a" / "b" / done  # a refusal after work was done (a refit mid-run): the run stays
+        work = ours / done  # a refusal after work was done (a refit mid-run): the run stays
         work.parent.mkdir(parents=True, exist_ok=True)
         work.write_text("{}")
-        remove_new_outputs([tmp_path / "a"], started)
+        remove_new_outputs([(ours, top)], started)
         assert work.is_file(), done
         work.unlink()
-    remove_new_outputs([tmp_path / "a"], started)
-    assert not Path(tmp_path / "a").exists() and tmp_path.is_dir()
+    beside = top / "c" / "run" / "config.json"  # a run started beside this one in the same new folder
+    beside.parent.mkdir(parents=True)
+    beside.write_text("{}")
+    remove_new_outputs([(ours, top)], started)
+    assert not ours.exists() and beside.read_text() == "{}"
+    beside.unlink()
+    beside.parent.rmdir()
+    remove_new_outputs([(top / "c" / "run", top)], started)
+    assert not top.exists() and tmp_path.is_dir()
 
 
 @pytest.mark.slow

@@ -28,22 +28,22 @@ def add_config_args(p: argparse.ArgumentParser, optional: str = "") -> None:
     )
 
 
-def new_outputs(args: argparse.Namespace) -> list[Path]:
-    """Where this command may create what does not exist yet: for each output argument (--out,
-    --prefix, --site) naming a missing path, the outermost missing folder on the way to it (what
-    ``mkdir(parents=True)`` would make first). A path that exists already is never listed."""
+def new_outputs(args: argparse.Namespace) -> list[tuple[Path, Path]]:
+    """What this command may create that does not exist yet: for each output argument (--out,
+    --prefix, --site) naming a missing path, (the path, the outermost missing folder on the way to it:
+    what ``mkdir(parents=True)`` makes first). A path that exists already is never listed."""
     found = []
     for name in OUTPUT_ARGS:
         value = getattr(args, name, None)
         if not isinstance(value, str) or not value:
             continue
-        path = Path(os.path.abspath(value))
-        if os.path.lexists(path):
+        leaf = top = Path(os.path.abspath(value))
+        if os.path.lexists(leaf):
             continue
-        while not os.path.lexists(path.parent):
-            path = path.parent
-        if path not in found:
-            found.append(path)
+        while not os.path.lexists(top.parent):
+            top = top.parent
+        if (leaf, top) not in found:
+            found.append((leaf, top))
     return found
 
 
@@ -67,18 +67,26 @@ def _removable(path: Path, since_ns: int) -> bool:
     return True
 
 
-def remove_new_outputs(paths: list[Path], started_ns: int) -> None:
-    """After a refusal: remove what the command created at ``paths`` (from ``new_outputs``, taken
-    before it ran), so that nothing half-written stays. A path holding anything older than the command
-    (not written by it), or a record of work done (WORK_DONE), is left as it is."""
-    for path in paths:
+def remove_new_outputs(paths: list[tuple[Path, Path]], started_ns: int) -> None:
+    """After a refusal: remove what the command created (``new_outputs``, taken before it ran), so
+    that nothing half-written stays: the path itself with what is in it, then each parent folder it
+    made, while empty (a parent shared with another command running beside it stays with its work). A
+    path holding anything older than the command (not written by it), or a record of work done
+    (WORK_DONE), is left as it is."""
+    for leaf, top in paths:
         try:
-            if not os.path.lexists(path) or not _removable(path, started_ns - CLOCK_SLACK_NS):
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            if os.path.lexists(leaf):
+                if not _removable(leaf, started_ns - CLOCK_SLACK_NS):
+                    continue
+                if leaf.is_dir() and not leaf.is_symlink():
+                    shutil.rmtree(leaf)
+                else:
+                    leaf.unlink()
+            for parent in leaf.parents:
+                if parent == top.parent:
+                    break
+                if os.path.lexists(parent):
+                    parent.rmdir()  # only while empty: OSError otherwise, and what is above stays too
         except OSError:  # cleaning up is a courtesy: the refusal's own line is what the user reads
             continue
 
