@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-from moelab.cli import bench, config, lab, ladder, plan, train, use
 from moelab.cli.common import new_outputs, remove_new_outputs  # (the standard library alone: no start-up cost)
 from moelab.errors import ConfigError, RunError, UsageError
 
@@ -27,6 +26,10 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moelab", description="An open laboratory for MoE training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    # the areas load here, not when this module does: the `moelab` command restarts itself with huge
+    # pages (main) before anything heavy is imported, not after
+    from moelab.cli import bench, config, lab, ladder, plan, train, use
+
     for area in (config, train, lab, ladder, plan, bench, use):
         area.register(sub)
     return parser

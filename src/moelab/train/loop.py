@@ -40,6 +40,8 @@ from moelab.train.record import (
     host,
     load_run_config,
     read_jsonl,
+    remember,
+    remembered,
     versions,
 )
 from moelab.train.schedule import eval_points  # noqa: F401 - importable from here
@@ -150,11 +152,13 @@ class ForecastUpdates:
     event (and goes to ``callback``); forecast.json, which the health checks and verdict use, stays."""
 
     def __init__(self, run: RunDir, forecast: dict | None, cfg: Config, callback, progress: bool):
-        from moelab.ladder.law import LAWS
-
         self.run, self.forecast, self.callback, self.progress = run, forecast, callback, progress
         self.every = cfg.train.forecast_update_every * cfg.train.steps
-        self.on = bool(forecast and forecast.get("law") in LAWS and self.every > 0 and forecast.get("rungs"))
+        self.on = bool(forecast and self.every > 0 and forecast.get("rungs"))
+        if self.on:  # (the laws load scipy, a second of a short run's start, only for a run held to a forecast)
+            from moelab.ladder.law import LAWS
+
+            self.on = forecast.get("law") in LAWS
         self.path = run.path / "forecast_updates.jsonl"
         self.done = {u["at_step"] for u in read_jsonl(self.path)} if self.on else set()
         self.rungs = None
@@ -331,6 +335,7 @@ class _Job:
                 where.rename(where.with_name(where.name + ".damaged"))
 
         found = checkpoint.restore_newest(run.ckpt, self.state, damaged) if resume and saved else None
+        self.fresh = found is None  # the state is the config's initial one
         if resume and saved and found is None:
             raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores; the run cannot resume")
         # the journal's checkpoint event is written once a checkpoint is complete (a background save's later)
@@ -561,8 +566,18 @@ class _Job:
 
     def evaluate(self, done: int) -> dict:
         t0 = time.perf_counter()
-        now = self.evaluator_at(done)
-        res = now["evaluator"](self.state["params"], self.state["model_state"])
+        now = self.at_length(max(done - 1, 0))
+        # the initial model is the config's (its seed) and so are the windows: its held-out losses are
+        # remembered in the cache (with the code, versions and machine that computed them), and the
+        # same config's next run records them again without computing them (task scores are computed)
+        key = None
+        if done == 0 and self.fresh and not self.cfg.train.task_evals:
+            key = {"config": to_dict(self.cfg), "store": self.store.manifest["key"]}
+        res = remembered("initial_eval", key) if key is not None else None
+        if res is None:
+            res = self.evaluator_at(done)["evaluator"](self.state["params"], self.state["model_state"])
+            if key is not None:
+                remember("initial_eval", key, res)
         rec = {"kind": "eval", "step": done, "tokens": done * self.b * self.s_len, **res}
         if len(set(self.lens)) > 1:
             rec["seq_len"] = now["cfg"].model.seq_len  # the held-out windows' length, as the phase trains

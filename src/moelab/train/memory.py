@@ -33,10 +33,11 @@ import dataclasses
 import math
 
 from moelab import devices
-from moelab.config import Config, load_config, phase_config, phase_seq_lens
+from moelab.config import Config, load_config, phase_config, phase_seq_lens, to_dict
 from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
 from moelab.progress import phase
+from moelab.train.record import remember, remembered
 
 MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
 FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics",
@@ -698,11 +699,17 @@ def _fit_check(cfg: Config) -> None:
         if memory is None:
             return
         where = f"a {dev.device_kind} holds {memory / GB:,.1f} GB"
+    # a plan that fits is remembered (for this config, memory, code and machine): the command run again
+    # does not trace the model for it again (a second of a short run's start on 2 cores)
+    key = {"config": to_dict(cfg), "memory": memory}
+    if remembered("fit_check", key):
+        return
     try:
         p = plan(cfg, data, expert, device_memory_gb=memory / GB, max_micro_batch=False)
     except Exception:  # a config the plan cannot trace here (cudnn on CPU): the run's own checks name it
         return
     if p["fits"]:
+        remember("fit_check", key, True)
         return
     sizes = {"data": data, "expert": expert}
     fixed = {k: p["rows"][k] for k in FIXED_ROWS}
