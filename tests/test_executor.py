@@ -238,3 +238,22 @@ def test_a_live_lease_is_not_taken_and_a_lost_lease_is_not_released(tmp_path, mo
     path.write_text(json.dumps({"owner": "third", "heartbeat": time.time()}))  # taken over elsewhere
     first.release()
     assert json.loads(path.read_text())["owner"] == "third"  # release leaves the new owner's lease alone
+
+
+def test_a_config_file_is_part_of_its_train_steps_identity(tmp_path):
+    """A step names its config file by path; editing the file (or its base) makes it a new step."""
+    from moelab.lab.steps import train_step
+
+    base = tmp_path / "base.yaml"
+    base.write_text("base: tiny\nmodel: {top_k: 2}\n")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"base: {base}\ntrain: {{steps: 20}}\n")
+    first = train_step("t", str(cfg)).identity()
+    assert train_step("t", str(cfg)).identity() == first  # the same contents: the same step
+    cfg.write_text(f"base: {base}\ntrain: {{steps: 30}}\n")
+    edited = train_step("t", str(cfg)).identity()
+    base.write_text("base: tiny\nmodel: {top_k: 4}\n")
+    rebased = train_step("t", str(cfg)).identity()
+    assert len({first, edited, rebased}) == 3
+    # a preset is named by its name, as before (finished steps of existing labs are kept)
+    assert "config_hash" not in train_step("t", "tiny").config

@@ -78,12 +78,19 @@ def train_step(
         from moelab.errors import ConfigError, ExperimentError
 
         static = isinstance(config, (str, Path)) and all(isinstance(o, str) for o in overrides)
+        resolved = None
         if static:  # refused when the experiment loads, before any step runs (and in --dry-run alike)
             try:
-                load_config(config, list(overrides))
+                resolved = load_config(config, list(overrides))
             except ConfigError as exc:
                 raise ExperimentError(f"step {name!r}: {'; '.join(exc.errors)}") from None
         fields = {"config": versioned(config), "overrides": versioned(list(overrides))}
+        if resolved is not None and Path(str(config)).is_file():
+            # a config file is named by its path: its contents (and its base:'s) are the step's identity
+            # too, so an edited file is a new step, not a finished one reused
+            from moelab.config import config_hash
+
+            fields["config_hash"] = versioned(config_hash(resolved))
     if forecast is not None:
         fields["forecast"] = versioned(forecast)
     return Step(
