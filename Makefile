@@ -53,7 +53,7 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m moelab.docgen
 	$(PY) benchmarks/results_pages.py
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

@@ -171,6 +171,7 @@ def test_manual_builds_strictly(tmp_path):
     proc = subprocess.run(
         [str(BIN / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
     )
