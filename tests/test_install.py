@@ -241,3 +241,19 @@ def test_installs_beside_torch_transformers_and_a_sites_jax_without_changing_the
     proc = subprocess.run([py, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "0.9.2", proc.stderr[-2000:]
     print(f"install check: {time.monotonic() - start:.0f} s")
+
+
+def test_every_extra_a_message_names_exists():
+    """`pip install 'moelab[X]'` in an error message or a page must name an extra pyproject.toml has."""
+    import re
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    named = {
+        (f.name, x)
+        for f in files
+        for group in re.findall(r"moelab\[([^\]\s]+)\]", f.read_text())
+        for x in group.split(",")
+    }
+    assert named, "the messages name extras"
+    assert not [(f, x) for f, x in named if x not in extras], sorted((f, x) for f, x in named if x not in extras)

@@ -111,7 +111,7 @@ def make_trackers(names, cfg: Config, out: str | Path, tags=()) -> list:
             __import__(package)
         except ImportError:
             raise UsageError(
-                f"--tracker {name}: the {package} package is not installed; pip install 'moelab[{name}]'"
+                f"--tracker {name}: the {package} package is not installed; pip install 'moelab[tracking]' (or pip install {package})"
             ) from None
         Path(out).mkdir(parents=True, exist_ok=True)
         trackers.append(cls(cfg, Path(out), tags=tags))
