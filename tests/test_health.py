@@ -335,3 +335,13 @@ def test_logit_growth_flags_a_drifting_log_partition_and_not_a_slow_rise():
     mon = check_records(run(True), steps=2000)
     found = [s for c, s in alerts(mon) if c == "logit_growth"]
     assert found and 1000 < found[0] <= 1200, found
+
+
+def test_train_help_names_every_fault_kind():
+    """`moelab train --help` lists each kind the injector accepts (the list is typed in the parser's help)."""
+    from moelab.cli import build_parser
+    from moelab.monitor.faults import KINDS
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    (inject,) = [a for a in train._actions if "--inject" in a.option_strings]
+    assert [k for k in KINDS if k not in inject.help] == []

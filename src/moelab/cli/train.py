@@ -367,7 +367,7 @@ def register(sub) -> None:
         "--inject",
         action="append",
         metavar="KIND@STEP[:ARG]",
-        help="inject a fault (repeatable): lr_spike, lr_high, data_corruption, data_stuck, router_collapse, router_drift or zloss_off",
+        help="inject a fault (repeatable): lr_spike, lr_high, data_corruption, token_noise, data_stuck, router_collapse, router_drift or zloss_off",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train)
