@@ -36,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None:  # the command itself: out at once when it is done (moelab/_alloc.py)
+        from moelab._alloc import leave
+
+        leave(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if argv is None:  # the command itself (not a call from Python): restart with huge pages (moelab/_alloc.py)
         from moelab._alloc import restart_with_hugepages
 
