@@ -419,3 +419,24 @@ def test_a_large_file_is_read_as_a_stream_into_the_same_pieces(tmp_path, monkeyp
     skipped: list = []
     assert [d.doc_id for d in S.iter_documents(S.resolve([str(root)])[0], left_out=skipped)] == ["small.txt"]
     assert skipped == ["big.txt"]
+
+
+def test_text_field_by_domain_names_training_and_validation_domains(tmp_path):
+    """data.text_field as a mapping may name a validation domain beside training ones; a name that is
+    neither is one line naming the field, both lists of domains known."""
+    from moelab.config import DataConfig
+    from moelab.data import sources as S
+    from moelab.data.store import resolve_all
+
+    (tmp_path / "train.jsonl").write_text(json.dumps({"body": "def f(): pass"}) + "\n")
+    (tmp_path / "val.jsonl").write_text(json.dumps({"notes": "held apart"}) + "\n")
+    cfg = DataConfig(
+        sources={"code": (str(tmp_path / "train.jsonl"),)},
+        validation={"valdata": (str(tmp_path / "val.jsonl"),)},
+        text_field={"code": "body", "valdata": "notes"},
+    )
+    domains, vdomains = resolve_all(cfg)
+    assert [(d.name, d.text_field) for d in domains + vdomains] == [("code", "body"), ("valdata", "notes")]
+    bad = DataConfig(sources=cfg.sources, validation=cfg.validation, text_field={"code": "body", "prose": "x"})
+    with pytest.raises(S.DataError, match=r"data.text_field.prose: unknown domain \(known: code, valdata\)"):
+        resolve_all(bad)

@@ -455,7 +455,12 @@ def _entries(sources) -> list[tuple[str | None, str, str]]:
 
 
 def resolve(
-    sources, include=(), exclude=(), text_field: str | dict = "text", kind: str = "data.sources"
+    sources,
+    include=(),
+    exclude=(),
+    text_field: str | dict = "text",
+    kind: str = "data.sources",
+    other_domains: tuple[str, ...] | None = (),
 ) -> list[Domain]:
     """Every domain with its shards, in order; every path checked now (a missing file, an empty glob,
     a folder with nothing to read: one line each). Domain names are unique."""
@@ -511,11 +516,17 @@ def resolve(
         shards = [Shard(s.path, f"{k}:{s.rel}", *astuple_rest(s)) if s.rel in twice else s for k, s in shards]
         field_ = text_field.get(name, "text") if isinstance(text_field, dict) else text_field
         out.append(Domain(name, domains[name]["spec"], tuple(shards), field_, tuple(domains[name]["left"])))
-    if isinstance(text_field, dict):
-        unknown = sorted(set(text_field) - set(order))
-        if unknown:
-            raise DataError(f"data.text_field.{unknown[0]}: unknown domain (known: {', '.join(order)})")
+    if other_domains is not None:  # None: the caller checks (training and validation share text_field)
+        check_text_field(text_field, [*order, *other_domains])
     return out
+
+
+def check_text_field(text_field: str | dict, domains: list[str]) -> None:
+    """A per-domain data.text_field names only domains that exist."""
+    if isinstance(text_field, dict):
+        unknown = sorted(set(text_field) - set(domains))
+        if unknown:
+            raise DataError(f"data.text_field.{unknown[0]}: unknown domain (known: {', '.join(domains)})")
 
 
 # ---------------------------------------------------------------- the built-in corpora

@@ -624,12 +624,14 @@ def _tokenizer_texts(domains: list[S.Domain], cfg: DataConfig, bad: S.Bad):
 
 
 def resolve_all(cfg: DataConfig) -> tuple[list[S.Domain], list[S.Domain]]:
-    domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field)
+    # data.text_field names training and validation domains alike: checked against both together
+    domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field, other_domains=None)
     vdomains = (
-        S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation")
+        S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation", other_domains=None)
         if cfg.validation
         else []
     )
+    S.check_text_field(cfg.text_field, [d.name for d in [*domains, *vdomains]])
     clash = {d.name for d in domains} & {d.name for d in vdomains}
     if clash:
         raise S.DataError(
