@@ -53,6 +53,17 @@ def test_harness_refuses_tasks_it_cannot_run(tiny_run, tmp_path, capsys):
         (str(tmp_path / "missing.yaml"), "missing.yaml: no such task YAML"),
         (_yaml(tmp_path / "nodata.yaml", tmp_path / "gone.jsonl"), "nodata.yaml: its dataset is not on this machine"),
     ]
+    # a moelab task file may mix multiple choice with continuations; a multiple-choice YAML over it cannot
+    # read the continuation (lm-eval raised a TypeError deep inside before), nor an answer past the choices
+    good = {"context": "x = (", "choices": ["1)", "1]"], "answer": 0}
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps(good) + "\n" + json.dumps({"context": "y = ", "continuation": "2"}) + "\n")
+    past = tmp_path / "past.jsonl"
+    past.write_text(json.dumps(good) + "\n" + json.dumps({**good, "answer": 5}) + "\n")
+    cases += [
+        (_yaml(tmp_path / "mixed.yaml", mixed), "tiny_next_line: document 1 does not fit the task's fields"),
+        (_yaml(tmp_path / "past.yaml", past), "document 1 does not fit the task's fields (its target 5 is not one of"),
+    ]
     _refused(tiny_run, cases, capsys)
 
 

@@ -78,20 +78,70 @@ def load_tasks(specs: Sequence[str], task_manager_cls) -> tuple[list, object]:
         _MANAGERS[task_manager_cls, defaults] = task_manager_cls(include_defaults=defaults)
     manager = _MANAGERS[task_manager_cls, defaults]
     tasks = []
-    for spec in specs:
-        if not _is_path(spec) and spec not in manager.all_tasks:
-            raise UsageError(f"--harness: {spec}: not an lm-eval task (list them: lm-eval ls tasks), nor a task YAML")
-        try:
-            loaded = manager.load([str(Path(spec).resolve()) if _is_path(spec) else spec])
-        except (OSError, ConnectionError) as exc:  # datasets: offline and not cached, or a data file missing
-            raise UsageError(
-                f"--harness: {spec}: its dataset is not on this machine (not in the local Hugging Face cache, "
-                f"or its data_files are missing), and nothing is downloaded at run time ({str(exc).splitlines()[0]})"
-            ) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise UsageError(f"--harness: {spec}: lm-eval refused the task ({str(exc).splitlines()[0]})") from None
-        tasks.extend(loaded["tasks"].values())
+    with _quiet_datasets():
+        for spec in specs:
+            tasks.extend(_load_one(spec, manager))
+    for task in tasks:
+        check_documents(task)
     return tasks, manager
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No `datasets` progress bars while the tasks' data is read: a refusal stays one line."""
+    try:
+        from datasets.utils import logging as dlog
+    except ImportError:
+        yield
+        return
+    was = dlog.is_progress_bar_enabled()
+    dlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            dlog.enable_progress_bar()
+
+
+def _load_one(spec: str, manager) -> list:
+    """One spec's tasks, its data read now; refused in one line when it cannot run here."""
+    if not _is_path(spec) and spec not in manager.all_tasks:
+        raise UsageError(f"--harness: {spec}: not an lm-eval task (list them: lm-eval ls tasks), nor a task YAML")
+    try:
+        loaded = manager.load([str(Path(spec).resolve()) if _is_path(spec) else spec])
+    except (OSError, ConnectionError) as exc:  # datasets: offline and not cached, or a data file missing
+        raise UsageError(
+            f"--harness: {spec}: its dataset is not on this machine (not in the local Hugging Face cache, "
+            f"or its data_files are missing), and nothing is downloaded at run time ({str(exc).splitlines()[0]})"
+        ) from None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise UsageError(f"--harness: {spec}: lm-eval refused the task ({str(exc).splitlines()[0]})") from None
+    return list(loaded["tasks"].values())
+
+
+def check_documents(task, limit: int | None = None) -> None:
+    """Every document ``task`` will score reads through its YAML's fields (text, target and, for multiple
+    choice, the choices); one that does not (a field missing, a choice list where there is none) is
+    refused in one line naming the task and the document, before anything is exported."""
+    docs = task.eval_docs
+    n = len(docs) if limit is None else min(limit, len(docs))
+    for i in range(n):
+        doc = docs[i]
+        try:
+            task.doc_to_text(doc)
+            target = task.doc_to_target(doc)
+            if task.OUTPUT_TYPE == "multiple_choice":
+                choices = task.doc_to_choice(doc)
+                if not isinstance(choices, list) or not choices:
+                    raise ValueError(f"its choices are {choices!r}, not a list")
+                if isinstance(target, int) and not 0 <= target < len(choices):
+                    raise ValueError(f"its target {target} is not one of its {len(choices)} choices")
+        except Exception as exc:  # lm-eval's field readers raise whatever the document makes them
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UsageError(
+                f"--harness: {task.task_name}: document {i} does not fit the task's fields ({msg}); "
+                "check doc_to_text, doc_to_target and doc_to_choice against its data"
+            ) from None
 
 
 def _first(resp):
