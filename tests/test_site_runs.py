@@ -68,3 +68,21 @@ def test_the_chain_lab_has_no_runs(lab, tmp_path, capsys):
     assert main(["report", "--prefix", str(lab["prefix"]), "--out", str(tmp_path / "site")]) == 0
     index = (tmp_path / "site" / "index.html").read_text()
     assert "exp9_chain.html" in index and "<h2>Runs</h2>" not in index
+
+
+def test_status_lists_plain_runs_beside_experiments(tiny_run, tmp_path, capsys):
+    """`moelab status --prefix` names each plain run with its state, steps and last losses, read from its
+    own records; a run without its summary is unfinished."""
+    recs = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in recs if r["kind"] == "train"][-1]
+    assert main(["status", "--prefix", str(tiny_run.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "runs (1):" in out
+    (line,) = [x for x in out.splitlines() if str(tiny_run) in x]
+    assert line.split()[0] == "finished" and f"step {last['step']} of 10" in line
+    assert f"train loss {last['loss']:.4g}" in line
+    copy = tmp_path / "runs" / "again"
+    shutil.copytree(tiny_run, copy, ignore=shutil.ignore_patterns("ckpt", "evals"))
+    (copy / "summary.json").unlink()
+    assert main(["status", "--prefix", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "unfinished"

@@ -53,14 +53,26 @@ def cmd_status(args: argparse.Namespace) -> int:
                   "writes it)")  # fmt: skip
             return 0
         raise UsageError(f"--prefix: no such directory {args.prefix}; give the prefix `moelab run` wrote to")
-    rows = status_rows(Path(args.prefix))
-    if not rows:
-        print(f"no experiments under {args.prefix}")
-    for r in rows:
+    from moelab.report.site import find_records, run_info
+
+    prefix = Path(args.prefix)
+    journals, runs = find_records(prefix)
+    labs = sorted({j.parents[2] for j in journals} | {prefix})  # a lab prefix below counts (runs/lab)
+    rows = [(lab, r) for lab in labs for r in status_rows(lab)]
+    if not rows and not runs:
+        print(f"no experiments or runs under {args.prefix}")
+    for lab, r in rows:
         late = "".join(f"; {v}" for v in r["post_hoc_verdicts"])
         print(f"{r['experiment']} (v{r['version']}): {r['title']}  verdict: {r['verdict'] or '-'}{late}")
         for s in r["steps"]:
-            print(f"  {s['status']:<8} {s['name']:<22} {args.prefix}/{s['dir']}")
+            print(f"  {s['status']:<8} {s['name']:<22} {lab / s['dir']}")
+    if runs:
+        print(f"runs ({len(runs)}):")
+    for run in runs:
+        i = run_info(prefix, run)
+        loss = "" if i["final_loss"] is None else f", train loss {i['final_loss']:.4g}"
+        held = "" if i["final_eval"] is None else f", held-out {i['final_eval']:.4g}"
+        print(f"  {i['status']:<10} {str(run):<28} step {i['steps']} of {i['planned']}{loss}{held}")
     return 0
 
 
@@ -134,7 +146,7 @@ def register(sub) -> None:
     p.add_argument("--ray-address", help="a Ray cluster to join (default: start a local instance)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("status", help="experiments under a prefix and their steps")
+    p = sub.add_parser("status", help="experiments under a prefix and their steps, and plain runs (moelab train)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="where step outputs and journals live (default runs/lab)")
     p.set_defaults(func=cmd_status)
 

@@ -550,8 +550,13 @@ def _after_training(run_dir: Path) -> str:
     return "<h2>Evaluations after training</h2>" + "".join(out) if out else ""
 
 
-def run_page(prefix: Path, run_dir: Path) -> tuple[str, dict]:
-    """A plain run's page (its figures, its evaluations, config and timeline) and its index row."""
+def run_info(prefix: Path, run_dir: Path) -> dict:
+    """A plain run's row: status (finished, failed, unfinished), steps done and planned, tokens, the last
+    train and held-out losses, training FLOPs (`moelab status` prints it; the index shows it)."""
+    return _run_records(prefix, run_dir)[0]
+
+
+def _run_records(prefix: Path, run_dir: Path) -> tuple[dict, dict, list, list]:
     from moelab import accounting
     from moelab.config import config_from_dict
 
@@ -588,6 +593,14 @@ def run_page(prefix: Path, run_dir: Path) -> tuple[str, dict]:
         "flops": flops,
         "hash": saved.get("hash", ""),
     }
+    return info, saved, events, ev
+
+
+def run_page(prefix: Path, run_dir: Path) -> tuple[str, dict]:
+    """A plain run's page (its figures, its evaluations, config and timeline) and its index row."""
+    rel = _rel(prefix, run_dir)
+    info, saved, events, ev = _run_records(prefix, run_dir)
+    planned, status, flops = info["planned"], info["status"], info["flops"]
     started = next((e.get("time") for e in events if e.get("event") == "launch"), None)
     final = "-" if info["final_loss"] is None else f"{info['final_loss']:.6g}"
     held = "-" if info["final_eval"] is None else f"{info['final_eval']:.4f} at step {info['eval_step']}"
