@@ -302,3 +302,23 @@ def test_status_on_a_fresh_checkout_says_nothing_has_run(tmp_path, monkeypatch, 
     assert "nothing has run here yet: runs/lab does not exist" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()
     assert main(["status", "--prefix", str(tmp_path / "typo")]) == 2
+
+
+def test_output_into_a_closed_pipe_is_quiet():
+    """`moelab ... | head` stops reading early: the command ends as SIGPIPE would (141), without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "moelab", "config", "--explain", "model"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(w)
+    assert (proc.returncode, proc.stderr) == (141, "")

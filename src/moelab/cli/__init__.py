@@ -36,7 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    code = _main(argv)
+    try:
+        code = _main(argv)
+    except BrokenPipeError:  # the reader left (`moelab config --explain model | head`): quiet, as SIGPIPE would be
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush then goes nowhere
+        code = 128 + 13
     if argv is None:  # the command itself: out at once when it is done (moelab/_alloc.py)
         from moelab._alloc import leave
 
