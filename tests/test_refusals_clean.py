@@ -37,6 +37,8 @@ CASES = [
     ("a mesh larger than the devices", "train tiny --out {t}/o --set mesh.data=16", "mesh.data"),
     ("a domain shorter than a sequence", "train tiny --out {t}/o --data {f}/words.txt --set model.seq_len=4096 "
      "--set train.batch_size=1", "model.seq_len"),
+    ("a fault naming no domain", "train tiny --out {t}/o --data {f}/words.txt --inject data_corruption@3:nodomain",
+     "'nodomain', not a domain"),
     ("phase lengths that fall", "train tiny --out {t}/o --set data.phase_seq_lens=[64,32]", "data.phase_seq_lens"),
     ("an export of a run with no checkpoint", "export hf {run} --out {t}/x/hf", "no complete checkpoint"),
     ("an export of a run that is not one", "export safetensors {t} --out {t}/x/model.safetensors", "config.json"),
@@ -190,3 +192,19 @@ def test_a_supervised_run_refused_by_its_first_process_leaves_no_folder(inputs, 
         f"moelab: {inputs['f'] / 'missing.txt'}: no such file or directory"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fault_naming_no_domain_is_refused_before_the_store(inputs, tmp_path, capsys, monkeypatch):
+    """The domains are known once the sources are indexed: such a run stops there, not after tokenizing."""
+    import moelab.train.loop
+
+    def no_store(*a, **k):
+        raise AssertionError("the token store was built before the refusal")
+
+    monkeypatch.setattr(moelab.train.loop, "build_store", no_store)
+    line = refused(
+        "train tiny --out {t}/o --data {f}/words.txt --inject data_corruption@3:nodomain",
+        {"f": inputs["f"], "t": tmp_path},
+        capsys,
+    )
+    assert "'nodomain', not a domain (words)" in line

@@ -281,6 +281,18 @@ def _task_sets(cfg: Config) -> dict:
             for k, v in every.items()}  # fmt: skip
 
 
+def _check_fault_domains(cfg: Config) -> None:
+    """A fault that names a domain (data_corruption@S:D) is refused before the store is built, not after."""
+    from moelab.data.store import resolve_all
+    from moelab.monitor.faults import Injector, parse
+
+    try:
+        if any(f.kind == "data_corruption" and f.arg for f in map(parse, cfg.train.inject)):
+            Injector(cfg.train.inject, [d.name for d in resolve_all(cfg.data)[0]])
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from None
+
+
 class _Job:
     """One training process's run, phase by phase (see ``train``)."""
 
@@ -297,6 +309,7 @@ class _Job:
         """The token store (built once, cached) and the mixture; the run's config.json."""
         cfg = self.cfg
         enable_compile_cache()
+        _check_fault_domains(cfg)
         self.store = build_store(cfg.data, cfg.model.vocab_size, progress=self.progress)
         self.mixture = build_mixture(cfg, self.store)
         self.run.path.mkdir(parents=True, exist_ok=True)
