@@ -176,6 +176,8 @@ def main() -> None:
             print(f"{name}: first step at {r['first_step_s']:.1f} s (target {target} s): {parts}")
     if args.record:
         rec = json.loads(args.record_file.read_text()) if args.record_file.exists() else {}
+        # the newest batch's date and machine on top (each batch keeps its own): the results pages read them
+        rec.update(date=date.today().isoformat(), machine=machine, command="moelab train tiny --steps 2 (warm)")
         rec[args.record] = {"date": date.today().isoformat(), "machine": machine, **second}
         args.record_file.write_text(json.dumps(rec, indent=1) + "\n")
     t = second["total_s"]
