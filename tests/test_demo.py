@@ -36,3 +36,16 @@ def test_demo_prints_accounting_runs_the_experiment_and_writes_the_site(corpus, 
     assert 4.0 <= outcome <= 6.238 and "verdict: CONFIRMED" in text  # it learned something, and the verdict says so
     assert f"site: {(tmp_path / 'site' / 'index.html').resolve()}" in text
     assert (tmp_path / "site" / "exp4_short.html").exists()
+
+
+def test_demo_without_the_clone_says_where_it_runs(monkeypatch, tmp_path, capsys):
+    """An install from a wheel holds no experiments/ or ladders/: the demo says to run it in a clone."""
+    from moelab.cli import demo, main
+
+    monkeypatch.setattr(demo, "EXAMPLE", tmp_path / "experiments" / "exp24_forecast_noise_floor.py")
+    monkeypatch.setattr(demo, "ROOT", tmp_path)
+    monkeypatch.setattr(demo, "DEMO_LADDER", tmp_path / "ladders" / "demo.yaml")
+    assert main(["demo", "--prefix", str(tmp_path / "lab")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "run it in a clone (make demo), or give --experiment FILE" in line
+    assert not (tmp_path / "lab").exists()

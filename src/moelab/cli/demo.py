@@ -16,6 +16,7 @@ from pathlib import Path
 from moelab import accounting
 from moelab.cli.common import print_plan, print_summary
 from moelab.config import load_config
+from moelab.errors import UsageError
 from moelab.presets import MARIN_LADDER
 from moelab.train.record import read_jsonl
 
@@ -123,6 +124,11 @@ def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str 
     from moelab.report.site import build_site, forecast_figure
 
     t0 = time.time()
+    if experiment is None and not (EXAMPLE.is_file() and DEMO_LADDER.is_file()):  # an install without the clone
+        raise UsageError(
+            f"moelab demo runs the repository's {EXAMPLE.relative_to(ROOT)} and {DEMO_LADDER.relative_to(ROOT)}, "
+            "which this install does not hold: run it in a clone (make demo), or give --experiment FILE"
+        )
     print_accounting()
     path = Path(experiment) if experiment else EXAMPLE
     exp = load_experiment(path)
