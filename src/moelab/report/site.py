@@ -556,7 +556,8 @@ def run_info(prefix: Path, run_dir: Path) -> dict:
     return _run_records(prefix, run_dir)[0]
 
 
-def _run_records(prefix: Path, run_dir: Path) -> tuple[dict, dict, list, list]:
+def _run_records(prefix: Path, run_dir: Path) -> tuple[dict, dict, list]:
+    """(its index row, its saved config.json, its events)."""
     from moelab import accounting
     from moelab.config import config_from_dict
 
@@ -593,13 +594,13 @@ def _run_records(prefix: Path, run_dir: Path) -> tuple[dict, dict, list, list]:
         "flops": flops,
         "hash": saved.get("hash", ""),
     }
-    return info, saved, events, ev
+    return info, saved, events
 
 
 def run_page(prefix: Path, run_dir: Path) -> tuple[str, dict]:
     """A plain run's page (its figures, its evaluations, config and timeline) and its index row."""
     rel = _rel(prefix, run_dir)
-    info, saved, events, ev = _run_records(prefix, run_dir)
+    info, saved, events = _run_records(prefix, run_dir)
     planned, status, flops = info["planned"], info["status"], info["flops"]
     started = next((e.get("time") for e in events if e.get("event") == "launch"), None)
     final = "-" if info["final_loss"] is None else f"{info['final_loss']:.6g}"
