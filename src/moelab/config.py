@@ -408,6 +408,10 @@ class TrainConfig:
         0,
         "Seed of the parameters' initialisation and of the data order, in [0, 2**32). Batches are a function of seed and step.",
     )
+    data_seed: int = _f(
+        -1,
+        "Seed of the data order alone, in [0, 2**32); -1 = train.seed. Changes which batch each step reads and leaves the initialisation as train.seed makes it.",
+    )
     optimizer: str = _f(
         "adamw",
         "Optimizer: adamw or muon. adamw: AdamW with decoupled weight decay; muon: Muon for the attention and expert matrices, AdamW for the rest (embeddings, head, router, norms).",
@@ -539,6 +543,8 @@ class TrainConfig:
             e.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
         if not 0 <= t.seed < 2**32:
             e.append(f"train.seed: must be in [0, 2**32), got {t.seed}")
+        if not (t.data_seed == -1 or 0 <= t.data_seed < 2**32):
+            e.append(f"train.data_seed: must be -1 (= train.seed) or in [0, 2**32), got {t.data_seed}")
         for n in ("weight_decay", "grad_clip", "eval_every", "keep_every", "peak_flops"):
             if getattr(t, n) < 0:
                 e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
@@ -1066,6 +1072,7 @@ HASH_NEUTRAL = {
     ("model", "moe_impl"): "auto",
     ("train", "keep_steps"): (),
     ("train", "lr_scale"): 1.0,
+    ("train", "data_seed"): -1,  # the data order follows train.seed, as before the field existed
     ("train", "trackers"): (),  # where the metrics are mirrored changes nothing the run computes
     ("train", "tracker_project"): "",
     ("train", "tracker_entity"): "",
@@ -1085,6 +1092,11 @@ HASH_NEUTRAL = {
 }  # spill_choices changes what spill does: it is hashed
 # fields never hashed: what is evaluated beside the loss changes nothing a run trains
 NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples")}
+
+
+def data_seed(cfg: Config) -> int:
+    """The seed of ``cfg``'s data order: ``train.data_seed``, or ``train.seed`` where it is -1."""
+    return cfg.train.seed if cfg.train.data_seed == -1 else cfg.train.data_seed
 
 
 def auto_dtype(backend: str | None) -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moelab.config import Config
+from moelab.config import Config, data_seed
 from moelab.data.sources import DataError
 from moelab.train.schedule import phase_boundaries
 
@@ -81,10 +81,10 @@ class Mixture:
 def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed: int | None = None) -> Mixture:
     """Weights per phase from the config, checked against the store's domains and the epoch cap
     (the exact epochs of each domain that ``steps`` steps of ``train.batch_size`` rows read with
-    ``seed``, ``train.seed`` unless given)."""
+    ``seed``, the config's data seed unless given)."""
     d = cfg.data
     steps = steps or cfg.train.steps
-    seed = cfg.train.seed if seed is None else seed
+    seed = data_seed(cfg) if seed is None else seed
     domains = tuple(store.domains)
     sizes = np.array([len(store.stream(x, "train")) for x in domains], np.float64)
     seq_len = cfg.model.seq_len

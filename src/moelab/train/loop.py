@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from moelab import accounting
-from moelab.config import Config, config_hash, phase_config, phase_seq_lens, resolve_dtype, rope_scaling_of, to_dict
+from moelab.config import Config, config_hash, data_seed, phase_config, phase_seq_lens, resolve_dtype, rope_scaling_of, to_dict
 from moelab.data.mixture import batch_at, batch_rows, build_mixture, epochs_at
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
@@ -514,7 +514,7 @@ class _Job:
         """Step ``s``'s batch: on a mesh each process builds only its devices' rows (all of them when
         a data-corruption or token-noise fault, a testing aid, rewrites rows)."""
         cfg, store, inj = self.cfg, self.store, self.injector
-        args = (store, self.mixture, cfg.train.seed, inj.data_step(s), self.b, self.s_len)
+        args = (store, self.mixture, data_seed(cfg), inj.data_step(s), self.b, self.s_len)
         if self.mesh is not None and not any(f.kind in ("data_corruption", "token_noise") for f in inj.active(s)):
             rows, length, _ = self.mixture.shape_at(inj.data_step(s), self.b, self.s_len)
             return pmesh.put_rows(lambda lo, hi: batch_rows(*args, lo, hi)[0], (rows, length + 1), self.mesh)
@@ -644,7 +644,7 @@ class _Job:
                 "mfu": per_device * self.flops_per_token / self.peak if self.peak else float("nan"),
                 "phase": self.mixture.phase_at(done - 1),
                 # passes over each domain's training windows so far (a shuffled pass per epoch, counted exactly)
-                "epochs": epochs_at(self.store, self.mixture, cfg.train.seed, done, self.b, self.s_len),
+                "epochs": epochs_at(self.store, self.mixture, data_seed(cfg), done, self.b, self.s_len),
             }
             self.record(_train_record(done, cfg, m, extra))
             self.bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:,.0f}")
