@@ -72,7 +72,7 @@ def main() -> None:
     for sc in (1, 2, 4):
         rungs = [runs[(d, sc)] for d in lad.widths]
         target = runs[(lad.target_width, sc)]
-        for law in ("lr-annealing", "multi-power", "chinchilla"):
+        for law in ("lr-annealing", "chinchilla"):
             fit = L.fit_law(fitted(rungs), law)
             err = fit.predict(target.blind()) / target.loss - 1
             fr = target.steps / target.total_steps

@@ -440,3 +440,30 @@ def test_text_field_by_domain_names_training_and_validation_domains(tmp_path):
     bad = DataConfig(sources=cfg.sources, validation=cfg.validation, text_field={"code": "body", "prose": "x"})
     with pytest.raises(S.DataError, match=r"data.text_field.prose: unknown domain \(known: code, valdata\)"):
         resolve_all(bad)
+
+
+def test_the_data_seed_moves_the_batches_and_leaves_the_initialisation(corpus, tmp_path):
+    """train.data_seed (issue 37): a run's data order apart from its parameters' seed."""
+    from moelab.config import config_hash, load_config
+    from moelab.train.loop import train
+
+    from conftest import MICRO
+
+    from moelab.errors import ConfigError
+
+    base = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=3", "train.eval_every=3"]
+    runs = {}
+    for name, extra in (("seed0", []), ("data0", ["train.data_seed=0"]), ("data7", ["train.data_seed=7"]),
+                        ("seed7", ["train.seed=7"])):  # fmt: skip
+        cfg = load_config("tiny", base + extra)
+        train(cfg, tmp_path / name, progress=False)
+        recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r["loss"] for r in recs if r.get("kind") == "train"],
+                      [r["loss"]["mix"] for r in recs if r.get("kind") == "eval" and r["step"] == 0][0], cfg)  # fmt: skip
+    assert config_hash(load_config("tiny", base)) == config_hash(load_config("tiny", [*base, "train.data_seed=-1"]))
+    assert runs["data0"][:2] == runs["seed0"][:2]  # data_seed = train.seed reads what the default reads
+    assert runs["data7"][1] == runs["seed0"][1]  # the same initial model: the same held-out loss at step 0
+    assert runs["data7"][0] != runs["seed0"][0]  # other batches, other training losses
+    assert runs["seed7"][1] != runs["seed0"][1]  # train.seed still moves the initialisation
+    with pytest.raises(ConfigError, match="train.data_seed"):
+        load_config("tiny", ["train.data_seed=-2"])

@@ -10,7 +10,9 @@ from pathlib import Path
 from moelab.cli.common import positive_int, print_plan
 from moelab.config import load_config
 from moelab.errors import UsageError
-from moelab.ladder import DEFAULT_LAW, LAW_CHOICES
+from moelab.ladder import DEFAULT_LAW, LAW_CHOICES, LAWS
+
+BACKTEST_LAWS = (*LAWS, "per-fraction")
 
 FIT_ND_MIN_POINTS = 6  # five free parameters (E, A, B, alpha, beta) and one more
 
@@ -100,8 +102,13 @@ def cmd_ladder_forecast(args: argparse.Namespace) -> int:
     from moelab.ladder.forecast import forecast
 
     cfg = load_config(args.target, args.overrides)
+    prior = None
+    if args.prior:
+        from moelab.ladder.prior import prior_for
+
+        prior = prior_for(args.prior).to_dict()
     fc = forecast(args.ladder, cfg, law=args.law, e=args.e, n_boot=args.n_boot, target_name=cfg.name or args.target,
-                  log=lambda text: print(text, file=sys.stderr), agg=args.metric)  # fmt: skip
+                  log=lambda text: print(text, file=sys.stderr), agg=args.metric, prior=prior)  # fmt: skip
     tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
     try:
         tmp.write_text(json.dumps(fc, indent=1))
@@ -155,7 +162,7 @@ def cmd_ladder_backtest(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--ladder: give rungs of three or more sizes (the largest is predicted from the others), or --target"
             )
-    laws = LAW_CHOICES if args.law == "all" else (args.law,)
+    laws = BACKTEST_LAWS if args.law == "all" else (args.law,)
     out = []
     for law in laws:
         try:
@@ -289,6 +296,7 @@ def register(sub) -> None:
                    help="override one field of the target's config, for example --set train.steps=5000 (repeatable)")  # fmt: skip
     p.add_argument("--law", default=DEFAULT_LAW, choices=LAW_CHOICES, help=f"default {DEFAULT_LAW}")
     p.add_argument("--e", type=float, help="hold the irreducible loss E at this value (Marin holds it at 1.5)")
+    p.add_argument("--prior", metavar="FILE", help="the prior laws' prior: its JSON, or the ladder YAML whose recipe's prior moelab ships")
     p.add_argument("--metric", default="mix", choices=("mix", "macro"),
                    help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip
     p.add_argument("--n-boot", type=positive_int, default=200, help="bootstrap draws for the band (default 200)")
@@ -302,7 +310,8 @@ def register(sub) -> None:
     p.add_argument(
         "--target", metavar="DIR", help="the run to predict (default: the largest of --ladder, from the others)"
     )
-    p.add_argument("--law", default=DEFAULT_LAW, choices=(*LAW_CHOICES, "all"), help=f"default {DEFAULT_LAW}")
+    p.add_argument("--law", default=DEFAULT_LAW, choices=(*BACKTEST_LAWS, "all"),
+                   help=f"default {DEFAULT_LAW} (the prior laws are backtested across corpora by benchmarks/forecast_calibration.py)")  # fmt: skip
     p.add_argument("--e", type=float, help="hold E at this value; default: fit it")
     p.add_argument("--metric", default="mix", choices=("mix", "macro"),
                    help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip

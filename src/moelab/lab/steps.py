@@ -152,7 +152,7 @@ def _forecast(cfg: dict, out: Path) -> dict:
 
     target = _config(cfg["target"])
     fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"), floor=cfg.get("floor"),
-                  n_boot=cfg.get("n_boot") or 200)  # fmt: skip
+                  n_boot=cfg.get("n_boot") or 200, prior=cfg.get("prior"))  # fmt: skip
     text = json.dumps(fc, indent=1)
     tmp = out / ".forecast.json.tmp"
     tmp.write_text(text)
@@ -191,11 +191,14 @@ def forecast_step(
     e: float | None = None,
     floor: dict | None = None,
     n_boot: int = 200,
+    prior: dict | None = None,
 ) -> Step:
     """Forecast ``target`` (a Config) from ``rungs`` (``output_of(rung)`` each) by ``law`` (default:
     moelab.ladder.law.DEFAULT_LAW; ``per-fraction`` is Marin's form): forecast.json, its hash
     registered in the journal before the target trains. ``floor`` ({"sd", "dof"}): a run-to-run spread
-    measured apart, pooled with the rungs' own (a ladder of too few seeds needs it)."""
+    measured apart, pooled with the rungs' own (a ladder of too few seeds needs it). ``prior``: the
+    recipe's prior file's content (moelab.ladder.prior.load_prior(...).to_dict()), which the prior
+    laws need; hashed with the step, so a new prior is a new forecast."""
     from moelab.config import to_dict
     from moelab.ladder.law import DEFAULT_LAW
 
@@ -209,6 +212,7 @@ def forecast_step(
             "e": versioned(e),
             "floor": versioned(floor),
             "n_boot": versioned(n_boot),
+            **({"prior": versioned(prior)} if prior is not None else {}),  # absent: earlier steps' hashes kept
         },
     )
 

@@ -2,6 +2,11 @@
 
 # the laws a forecast can be made by (moelab.ladder.law, moelab.ladder.forecast); here so that the
 # command line can name them without importing the fitting code
-LAWS = ("multi-power", "lr-annealing", "chinchilla", "multi-power-peak", "lr-annealing-peak")
+# (multi-power was removed in issue 37: it left out Luo et al.'s eta_k^-gamma factor, so it was not the
+# paper's law; the lr-annealing law carries the schedule instead)
+LAWS = ("lr-annealing", "chinchilla", "lr-annealing-peak")
 DEFAULT_LAW = "lr-annealing"
-LAW_CHOICES = (*LAWS, "per-fraction")
+# per fraction, two free parameters: the size exponent (prior) or E (prior-e) from the recipe's prior
+# file (moelab.ladder.prior), or E at Marin's 1.5 (per-fraction with --e 1.5 is Marin's own form)
+PRIOR_LAWS = ("prior", "prior-e")
+LAW_CHOICES = (*LAWS, "per-fraction", *PRIOR_LAWS)

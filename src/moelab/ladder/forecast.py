@@ -1,8 +1,10 @@
 """The forecast: the target's whole held-out loss curve from the ladder's rungs, with a band; and the
 backtests that check it.
 
-Two ways to forecast:
-- a joint law (moelab.ladder.law; the default, ``multi-power``): one fit through every evaluation
+Three ways to forecast:
+- ``prior`` (moelab.ladder.prior; what the demo registers): per fraction, two free parameters and the
+  size exponent from the recipe's prior, fitted across development corpora (issue 37);
+- a joint law (moelab.ladder.law; the default, ``lr-annealing``): one fit through every evaluation
   of every rung, given each run's size and learning-rate schedule, read at the target's own size
   and schedule (so a re-planned horizon or another schedule is forecast as it will run);
 - ``per-fraction``, Marin's form kept as the baseline: at every 5% of training L(C) = E + A * C^-alpha
@@ -197,7 +199,7 @@ def _boot_predictions(c: np.ndarray, loss: np.ndarray, e: float | None, ct: floa
     preds = []
     for _ in range(n_boot):
         idx = rng.integers(0, len(c), len(c))
-        if len(set(idx)) < 2:
+        if len(set(c[idx].tolist())) < 2:  # two seeds of one size are one size: no line through them
             continue
         preds.append(float(fit_power(c[idx], loss[idx], e=e, n_boot=0).predict(ct)))
     return np.array(preds) if preds else np.array([np.nan])
@@ -363,7 +365,11 @@ def model_error(
     mse = float(np.mean([f["error"] ** 2 for f in folds]))
     ref = float(np.mean([f["distance"] for f in folds]))
     dist = float(min(abs(math.log(target.n / m)) for m in sizes))
-    return {"sd": math.sqrt(max(mse - expected, 0.0)), "dof": float(len(folds)), "folds": folds,
+    # never 0 where the law missed a left-out end rung: at least the rms of those misses (the noise's
+    # share of them cannot be told apart with so few folds; the band errs wide, not narrow)
+    ends = [f["error"] for f in folds if f["extrapolation"]]
+    sd = max(math.sqrt(max(mse - expected, 0.0)), math.sqrt(float(np.mean(np.square(ends)))) if ends else 0.0)
+    return {"sd": sd, "dof": float(len(folds)), "folds": folds,
             "rms": math.sqrt(mse), "expected_sd": math.sqrt(expected), "distance_ref": ref, "target_distance": dist,
             "scale": max(1.0, dist / ref) if ref > 0 else 1.0, "track": tracked}  # fmt: skip
 
@@ -391,7 +397,7 @@ def joint_band(
         sd = noise["rung"] * math.sqrt(dof / rng.chisquare(dof))
         synth = draw_ladder(rng, fit, runs, noise, sd)
         try:
-            refit = L.fit_law(synth, fit.law, start=fit, e_fixed=_fixed_e(fit))
+            refit = L.fit_law(synth, fit.law, start=[fit, *fit.alternatives], e_fixed=_fixed_e(fit))
         except L.LawError:
             continue
         dev = rng.normal(0.0, sd) + _ar1(rng, len(target.steps), noise["point"], noise["rho"])
@@ -473,6 +479,8 @@ def forecast_joint(
                      "high": float(np.quantile([d[k] for d in draws], 1 - q))}
                  for k, v in fit.params().items()} if draws else {}  # fmt: skip
     warnings = [f"{p} ends on a bound of its range (the ladder does not pin it down)" for p in fit.at_bound]
+    if not fit.converged:
+        warnings.append("the fit stopped at its evaluation cap before its tolerance (not converged)")
     sens = e_sensitivity(use, fit, target) if e_fixed is None else None
     if sens and "E" in fit.at_bound and sens.get("moves"):
         warnings.append(f"E: the forecast's final loss moves {sens['final_change_per_nat']:.1%} per nat of E")
@@ -518,9 +526,11 @@ def forecast(
     log=None,
     agg: str = AGG,
     floor: dict | None = None,
+    prior: dict | None = None,
 ) -> dict:
     """forecast.json for ``target_cfg`` from the rungs' run directories, by ``law``, of the held-out
-    loss ``agg`` (mix or macro); ``e`` holds the law's E at that value; ``log(text)`` hears what it is
+    loss ``agg`` (mix or macro); ``e`` holds the law's E at that value; ``prior`` (a prior file's
+    content, moelab.ladder.prior) is what the prior laws take from it; ``log(text)`` hears what it is
     doing once the rungs are read."""
     if law not in LAW_CHOICES:
         raise ForecastError(f"--law: unknown law {law!r} (known: {', '.join(LAW_CHOICES)})")
@@ -534,6 +544,18 @@ def forecast(
         if not fc["fractions"]:
             raise ForecastError("--ladder: fewer than two rungs have evaluations at the same fractions")
         fc["law"] = law
+    elif law in L.PRIOR_LAWS:
+        from moelab.ladder import prior as P
+
+        if prior is None:
+            raise ForecastError(f"--law {law}: no prior given; it needs the recipe's prior file (--prior)")
+        pr = P.Prior.from_dict(prior) if isinstance(prior, dict) else prior
+        curves = [rung_curve(d, agg=agg) for d in rung_dirs]
+        if log:
+            log(f"fitting {law} at every 5% across {len(curves)} rungs (prior {pr.key}), with its band ...")
+        fc = P.forecast_prior(curves, flops, target.total_steps, pr, law, n_boot=max(n_boot, 400))
+        fc["forward_chain"] = P.forward_chain(curves, pr)  # the score kept with every forecast
+        fc["prior"] = {"key": pr.key, "version": pr.version, "corpora": pr.corpora, "created": pr.created}
     else:
         runs = shared_prefixes_once([rung_run(d, agg=agg) for d in rung_dirs])
         try:

@@ -1,0 +1,230 @@
+"""Issue 37: the prior, fitted leave-one-corpus-out, and what the forecast then does on every corpus.
+
+Reads the runs of benchmarks/calib_train.py (runs/bench/calib/CORPUS/NAME) and, per development corpus:
+1. what it teaches the prior (moelab.ladder.prior.corpus_params: per 5% of the run, the three-parameter
+   fit's size exponent and E's share of the top rung's loss, on all rungs and the target);
+2. forecasts of its width-104 target from ladder designs that are subsets of the calibration ladder
+   (d24-d48 as the demo had it, d24-d56, d16-d56, d16-d56 with d16 down-weighted, d24-d56 with a third
+   seed on the top two rungs), by each two-parameter law (alpha from the prior, E from the prior,
+   Marin's E = 1.5) and by the law forward chaining picks, with the prior fitted on the OTHER corpora;
+   errors against the target at every 5%, the band, the coverage;
+3. more real forecasts for the band's coverage: the top rung from the smaller sizes, the d48 rung
+   from the sizes below it;
+4. on the stdlib, stability: the chosen design's final forecast over three parameter-seed ladders and
+   three data orders (train.data_seed).
+Then the prior from every corpus is written where moelab ships it (src/moelab/ladder/priors/KEY.json).
+
+Writes benchmarks/results/forecast_calibration.json and docs/forecast_calibration.svg.
+The prediction: benchmarks/results/forecast_prediction_37.md (committed before the runs were read).
+
+    python benchmarks/forecast_calibration.py [--root runs/bench/calib] [--no-write-prior]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DESIGNS = {  # name -> (widths, seeds per width (top two rungs may differ), weight of the smallest rung)
+    "d24-d48": ((24, 32, 40, 48), 2, 2, 1.0),
+    "d24-d56": ((24, 32, 40, 48, 56), 2, 2, 1.0),
+    "d16-d56": ((16, 24, 32, 40, 48, 56), 2, 2, 1.0),
+    "d16-d56 (d16 x0.25)": ((16, 24, 32, 40, 48, 56), 2, 2, 0.25),
+    "d24-d56 (3 seeds on top)": ((24, 32, 40, 48, 56), 2, 3, 1.0),
+}
+LAWS = ("prior", "prior-e", "marin")
+TARGET = "d104"
+
+
+def name_of(width: int, seed: int, order: int = 0) -> str:
+    return f"d{width}" + (f"-s{seed}" if seed else "") + (f"-o{order}" if order else "")
+
+
+def load_curves(root: Path) -> dict[str, dict[str, dict]]:
+    """corpus -> run name -> its per-fraction curve, for every complete run."""
+    from moelab.ladder.forecast import rung_curve
+
+    out = {}
+    for cdir in sorted(p for p in root.iterdir() if p.is_dir()):
+        runs = {d.name: rung_curve(d) for d in sorted(cdir.iterdir()) if (d / "summary.json").exists()}
+        if TARGET in runs:
+            out[cdir.name] = runs
+    return out
+
+
+def ladder(runs: dict, design: str, seeds=(0, 1), order: int = 0) -> tuple[list[dict], dict | None]:
+    widths, k, k_top, w_small = DESIGNS[design]
+    out = []
+    for i, d in enumerate(widths):
+        use = seeds if (k_top == k or i < len(widths) - 2) else tuple(range(k_top))
+        for s in use:
+            name = name_of(d, s, order)
+            if name not in runs:
+                return [], None
+            out.append(runs[name])
+    weights = {round(float(out[0]["flops"]), -3): w_small} if w_small != 1.0 else None
+    return out, weights
+
+
+def score(fc: dict, truth: dict) -> dict:
+    rows = [(f, p, lo, hi, truth["fractions"][f]) for f, p, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"],
+            strict=True) if f in truth["fractions"]]  # fmt: skip
+    late = [r for r in rows if r[0] > 0.2 + 1e-9]
+    f, p, lo, hi, t = rows[-1]
+    return {
+        "mean_abs_past_20": float(np.mean([abs(p / t - 1) for _, p, _, _, t in late])),
+        "max_abs_past_20": float(np.max([abs(p / t - 1) for _, p, _, _, t in late])),
+        "final_error": p / t - 1,
+        "final_band": [lo / p - 1, hi / p - 1],
+        "final_inside": bool(lo <= t <= hi),
+        "late_inside": float(np.mean([lo <= t <= hi for _, _, lo, hi, t in late])),
+        "curve": [{"fraction": f, "predicted": p, "low": lo, "high": hi, "actual": t} for f, p, lo, hi, t in rows],
+    }
+
+
+def one(rungs, weights, truth, prior, law, n_boot=400) -> dict:
+    from moelab.ladder.prior import forecast_prior, forward_chain
+
+    if law == "auto":
+        chain = forward_chain(rungs, prior)
+        law = chain["chosen"]
+    else:
+        chain = None
+    fc = forecast_prior(rungs, truth["flops"], truth["steps"], prior, law, n_boot=n_boot, size_weights=weights)
+    out = {"law": law, **score(fc, truth), "warnings": fc["warnings"], "basins": fc.get("basins")}
+    if chain:
+        out["forward_chain"] = chain
+    return out
+
+
+def main() -> None:
+    from moelab.ladder.plan import load_ladder
+    from moelab.ladder.prior import corpus_params, fit_prior, prior_path, recipe_fields, recipe_key, save_prior
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=str(ROOT / "runs" / "bench" / "calib"))
+    ap.add_argument("--design", default=None, help="the demo's design (default: the best by leave-one-corpus-out)")
+    ap.add_argument("--no-write-prior", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+
+    def log(text):
+        print(f"[{time.time() - t0:5.0f} s] {text}", flush=True)
+
+    log(f"reading the runs under {args.root} ...")
+    curves = load_curves(Path(args.root))
+    if len(curves) < 3:
+        sys.exit(f"{args.root}: {len(curves)} corpora have a trained target; leave-one-corpus-out needs 3")
+    log(f"corpora with a target: {', '.join(f'{c} ({len(r)} runs)' for c, r in curves.items())}")
+    lad = load_ladder(ROOT / "ladders" / "calib.yaml")
+    key = recipe_key(lad)
+    params = {}
+    for c, runs in curves.items():
+        rungs = [r for n, r in runs.items() if n != TARGET and "-o" not in n]
+        params[c] = corpus_params(rungs, runs[TARGET])
+        i = params[c]["fractions"].index(1.0)
+        log(f"{c}: the prior's view at the end: alpha {params[c]['alpha'][i]:.3f}, E/top {params[c]['e_share'][i]:.3f}")
+
+    results = {c: {} for c in curves}
+    forecasts = []  # real forecasts, for the band's coverage
+    for c, runs in curves.items():
+        prior = fit_prior(params, key, leave_out=c)
+        truth = runs[TARGET]
+        for design in DESIGNS:
+            rungs, weights = ladder(runs, design)
+            if not rungs:
+                continue
+            row = {law: one(rungs, weights, truth, prior, law) for law in (*LAWS, "auto")}
+            results[c][design] = row
+            a = row["auto"]
+            log(f"{c:9s} {design:26s} auto={a['law']:8s} mean {a['mean_abs_past_20']:.2%} final {a['final_error']:+.2%} "
+                f"band {a['final_band'][0]:+.1%}/{a['final_band'][1]:+.1%} " +
+                " ".join(f"{law}:{row[law]['final_error']:+.2%}" for law in LAWS))  # fmt: skip
+    # the demo's design: the smallest mean |error| past 20% over the corpora (forward chaining's law)
+    design = args.design or min(
+        (d for d in DESIGNS if all(d in results[c] for c in curves)),
+        key=lambda d: np.mean([results[c][d]["auto"]["mean_abs_past_20"] for c in curves]),
+    )
+    log(f"the demo's design: {design}")
+    for c, runs in curves.items():
+        prior = fit_prior(params, key, leave_out=c)
+        rungs, weights = ladder(runs, design)
+        a = results[c][design]["auto"]
+        forecasts.append({"corpus": c, "case": f"target from {design}", "law": a["law"], "final_error": a["final_error"],
+                          "final_inside": a["final_inside"], "late_inside": a["late_inside"], "final_band": a["final_band"]})  # fmt: skip
+        sizes = sorted({round(float(r["flops"]), -3) for r in rungs})
+        for cut in (1, 2):  # the top rung from the sizes below; the next from the sizes below it
+            held_size = sizes[-cut]
+            below = [r for r in rungs if round(float(r["flops"]), -3) < held_size]
+            held = [r for r in rungs if round(float(r["flops"]), -3) == held_size]
+            if len({round(float(r["flops"]), -3) for r in below}) < 3:
+                continue
+            w = weights if weights and min(weights) in {round(float(r["flops"]), -3) for r in below} else None
+            for h in held:
+                o = one(below, w, h, prior, "auto", n_boot=200)
+                forecasts.append({"corpus": c, "case": f"rung {Path(h['dir']).name} from the sizes below", "law": o["law"],
+                                  "final_error": o["final_error"], "final_inside": o["final_inside"],
+                                  "late_inside": o["late_inside"], "final_band": o["final_band"]})  # fmt: skip
+    stability = {}
+    if "stdlib" in curves:
+        runs, prior = curves["stdlib"], fit_prior(params, key, leave_out="stdlib")
+        truth = runs[TARGET]
+        for kind, ladders in (("parameter seeds", [((0, 1), 0), ((2, 3), 0), ((4, 5), 0)]),
+                              ("data orders", [((0, 1), 0), ((0, 1), 1), ((0, 1), 2)])):  # fmt: skip
+            finals, rows = [], []
+            for seeds, order in ladders:
+                widths, k, k_top, w_small = DESIGNS[design]
+                rungs, weights = ladder(runs, design if k_top == k else "d24-d56", seeds, order)
+                if not rungs:
+                    continue
+                o = one(rungs, weights, truth, prior, "auto")
+                finals.append(o["curve"][-1]["predicted"])
+                rows.append({"seeds": list(seeds), "data_order": order, "law": o["law"], "final": finals[-1],
+                             "final_error": o["final_error"], "mean_abs_past_20": o["mean_abs_past_20"]})  # fmt: skip
+                if (seeds, order) != ((0, 1), 0):
+                    forecasts.append({"corpus": "stdlib", "case": f"target, {kind} {seeds} order {order}", "law": o["law"],
+                                      "final_error": o["final_error"], "final_inside": o["final_inside"],
+                                      "late_inside": o["late_inside"], "final_band": o["final_band"]})  # fmt: skip
+            sd = float(np.std(finals, ddof=1) / np.mean(finals)) if len(finals) > 1 else None
+            stability[kind] = {"ladders": rows, "final_sd": sd}
+            log(f"stability over {kind}: {len(finals)} ladders, final sd {sd if sd is None else f'{sd:.2%}'}")
+    inside = [f["final_inside"] for f in forecasts]
+    coverage = {"forecasts": len(forecasts), "final_inside": float(np.mean(inside)) if inside else None,
+                "late_inside": float(np.mean([f["late_inside"] for f in forecasts])) if forecasts else None,
+                "target_band_halfwidth": [max(abs(results[c][design]["auto"]["final_band"][0]),
+                                              abs(results[c][design]["auto"]["final_band"][1])) for c in curves]}  # fmt: skip
+    log(f"coverage: {coverage['final_inside']:.0%} of {len(forecasts)} final points inside the 90% band, "
+        f"{coverage['late_inside']:.0%} of the points past 20%")
+    prior_all = fit_prior(params, key, recipe=recipe_fields(lad), created=str(date.today()))
+    if not args.no_write_prior:
+        path = save_prior(prior_all, prior_path(key))
+        log(f"the prior from all {len(params)} corpora -> {path}")
+    out = {"date": str(date.today()), "recipe": key, "corpora": list(curves), "design": design, "params": params,
+           "results": results, "forecasts": forecasts, "coverage": coverage, "stability": stability,
+           "prior": prior_all.to_dict()}  # fmt: skip
+    (RESULTS / "forecast_calibration.json").write_text(json.dumps(out, indent=1) + "\n")
+    log(f"-> {RESULTS / 'forecast_calibration.json'}")
+    print_table(out)
+
+
+def print_table(out: dict) -> None:
+    d = out["design"]
+    print(f"\n{'corpus':10s} {'law':8s} {'mean>20%':>9s} {'final':>8s} {'band':>14s} inside")
+    for c, rows in out["results"].items():
+        a = rows[d]["auto"]
+        print(f"{c:10s} {a['law']:8s} {a['mean_abs_past_20']:9.2%} {a['final_error']:+8.2%} "
+              f"{a['final_band'][0]:+6.1%}/{a['final_band'][1]:+5.1%} {a['final_inside']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
