@@ -33,7 +33,7 @@ def jobs(corpus: str, stability: bool) -> list[tuple[str, object]]:
     from moelab.ladder.plan import load_ladder, rung_config
 
     lad = load_ladder(LADDER)
-    data = [sources_override(corpus)]
+    data = sources_override(corpus)
     out = []
     n = len(lad.widths)
     for i, d in enumerate(lad.widths):

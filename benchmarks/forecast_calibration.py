@@ -14,8 +14,9 @@ Reads the runs of benchmarks/calib_train.py (runs/bench/calib/CORPUS/NAME) and, 
    three data orders (train.data_seed).
 Then the prior from every corpus is written where moelab ships it (src/moelab/ladder/priors/KEY.json).
 
-Writes benchmarks/results/forecast_calibration.json and docs/forecast_calibration.svg.
-The prediction: benchmarks/results/forecast_prediction_37.md (committed before the runs were read).
+Writes benchmarks/results/forecast_calibration.json, docs/forecast_corpora.svg and the tables between
+the calibration markers of docs/guides/ladder.md (the manual's forecast section).
+The prediction: benchmarks/results/forecast_calibration_prediction.md (committed before the runs were read).
 
     python benchmarks/forecast_calibration.py [--root runs/bench/calib] [--no-write-prior]
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 from datetime import date
@@ -42,7 +45,7 @@ DESIGNS = {  # name -> (widths, seeds per width (top two rungs may differ), weig
     "d16-d56 (d16 x0.25)": ((16, 24, 32, 40, 48, 56), 2, 2, 0.25),
     "d24-d56 (3 seeds on top)": ((24, 32, 40, 48, 56), 2, 3, 1.0),
 }
-LAWS = ("prior", "prior-e", "marin")
+LAWS = ("prior-alpha", "prior-e", "marin")
 TARGET = "d104"
 
 
@@ -60,6 +63,15 @@ def load_curves(root: Path) -> dict[str, dict[str, dict]]:
         if TARGET in runs:
             out[cdir.name] = runs
     return out
+
+
+def target_epochs(curve: dict) -> float:
+    """The most passes the target made over any of its domains (from its last training record)."""
+    last = {}
+    for line in (Path(curve["dir"]) / "metrics.jsonl").read_text().splitlines():
+        if '"epochs"' in line:
+            last = json.loads(line).get("epochs") or last
+    return max(last.values()) if last else float("nan")
 
 
 def ladder(runs: dict, design: str, seeds=(0, 1), order: int = 0) -> tuple[list[dict], dict | None]:
@@ -128,12 +140,20 @@ def main() -> None:
     log(f"corpora with a target: {', '.join(f'{c} ({len(r)} runs)' for c, r in curves.items())}")
     lad = load_ladder(ROOT / "ladders" / "calib.yaml")
     key = recipe_key(lad)
-    params = {}
+    params, repeats = {}, {}
     for c, runs in curves.items():
         rungs = [r for n, r in runs.items() if n != TARGET and "-o" not in n]
-        params[c] = corpus_params(rungs, runs[TARGET])
-        i = params[c]["fractions"].index(1.0)
-        log(f"{c}: the prior's view at the end: alpha {params[c]['alpha'][i]:.3f}, E/top {params[c]['e_share'][i]:.3f}")
+        p = corpus_params(rungs, runs[TARGET])
+        i = p["fractions"].index(1.0)
+        ep = target_epochs(runs[TARGET])
+        log(f"{c}: the prior's view at the end: alpha {p['alpha'][i]:.3f}, E/top {p['e_share'][i]:.3f}; "
+            f"the target reads {ep:.2f} epochs")
+        if ep > 1.0:  # a target that repeats its data follows another law: forecast, never fitted into the prior
+            repeats[c] = ep
+        else:
+            params[c] = p
+    if repeats:
+        log(f"not in the prior (the target repeats its data): {', '.join(f'{c} ({e:.2f} epochs)' for c, e in repeats.items())}")
 
     results = {c: {} for c in curves}
     forecasts = []  # real forecasts, for the band's coverage
@@ -209,12 +229,117 @@ def main() -> None:
     if not args.no_write_prior:
         path = save_prior(prior_all, prior_path(key))
         log(f"the prior from all {len(params)} corpora -> {path}")
-    out = {"date": str(date.today()), "recipe": key, "corpora": list(curves), "design": design, "params": params,
-           "results": results, "forecasts": forecasts, "coverage": coverage, "stability": stability,
+    for c in results:  # the curves of the demo's design only; the others by their numbers
+        for dz, row in results[c].items():
+            for law, r in row.items():
+                if dz != design or law != "auto":
+                    r.pop("curve", None)
+    out = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+           "command": "python benchmarks/calib_train.py && python benchmarks/forecast_calibration.py",
+           "seconds": round(time.time() - t0), "recipe": key, "corpora": list(curves), "design": design, "params": params,
+           "repeats": repeats, "results": results, "forecasts": forecasts, "coverage": coverage, "stability": stability,
            "prior": prior_all.to_dict()}  # fmt: skip
     (RESULTS / "forecast_calibration.json").write_text(json.dumps(out, indent=1) + "\n")
     log(f"-> {RESULTS / 'forecast_calibration.json'}")
+    figure(out, ROOT / "docs" / "forecast_corpora.svg")
+    write_manual(out, ROOT / "docs" / "guides" / "ladder.md")
+    log("-> docs/forecast_corpora.svg, docs/guides/ladder.md (the calibration tables)")
     print_table(out)
+
+
+def figure(out: dict, path: Path) -> None:
+    """Each corpus's target forecast (the demo's design, leave-one-corpus-out) against its curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = list(out["results"])
+    cols = 3
+    rows = (len(corpora) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, c in zip(axes.flat, corpora, strict=False):
+        a = out["results"][c][out["design"]]["auto"]
+        x = [p["fraction"] for p in a["curve"]]
+        ax.fill_between(x, [p["low"] for p in a["curve"]], [p["high"] for p in a["curve"]], color="C0", alpha=0.25,
+                        label="90% band")  # fmt: skip
+        ax.plot(x, [p["predicted"] for p in a["curve"]], "C0--", label=f"forecast ({a['law']})")
+        ax.plot(x, [p["actual"] for p in a["curve"]], "C3.-", lw=0.8, label="target d104")
+        ax.set_title(f"{c}: final {a['final_error']:+.2%}, mean>20% {a['mean_abs_past_20']:.2%}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.set_xlim(0.2, 1.02)
+        lo = min(p["actual"] for p in a["curve"] if p["fraction"] >= 0.2)
+        hi = max(p["high"] for p in a["curve"] if p["fraction"] >= 0.2)
+        ax.set_ylim(0.97 * lo, 1.01 * hi)
+    for ax in list(axes.flat)[len(corpora):]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"The d104 target forecast from {out['design']} with the prior fitted on the other corpora", fontsize=10)
+    fig.supxlabel("fraction of the run")
+    fig.supylabel("held-out loss, mix (nats / token)")
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+START, END = "<!-- calibration:start -->", "<!-- calibration:end -->"
+
+
+def manual_tables(out: dict) -> str:
+    """The manual's tables: per corpus against the targets, the designs, stability, coverage, the prior."""
+    d = out["design"]
+    lines = [f"Measured {out['date']} (`{out['command']}`; figures in `benchmarks/results/forecast_calibration.json`).",
+             f"The demo's design: **{d}**, two seeds a size, target d104; the prior for each corpus fitted on the "
+             "others (leave-one-corpus-out). Targets: mean |error| past 20% <= 1%, final <= 1%, band <= +-3%.", "",
+             "| corpus | law (forward chaining) | mean \\|error\\| past 20% | final error | final band | inside |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for c, rows in out["results"].items():
+        a = rows[d]["auto"]
+        lines.append(f"| {c} | {a['law']} | {a['mean_abs_past_20']:.2%} | {a['final_error']:+.2%} | "
+                     f"{a['final_band'][0]:+.1%} / {a['final_band'][1]:+.1%} | {'yes' if a['final_inside'] else 'no'} |")  # fmt: skip
+    lines += ["", "Every design and law, over the corpora (mean of mean |error| past 20%; largest |final error|; "
+              "mean band half-width):", "", "| design | " + " | ".join(("auto", *LAWS)) + " |",
+              "|---|" + "---|" * (len(LAWS) + 1)]  # fmt: skip
+    for dz in DESIGNS:
+        if not all(dz in out["results"][c] for c in out["results"]):
+            continue
+        cells = []
+        for law in ("auto", *LAWS):
+            rs = [out["results"][c][dz][law] for c in out["results"]]
+            cells.append(f"{np.mean([r['mean_abs_past_20'] for r in rs]):.2%}; {max(abs(r['final_error']) for r in rs):.2%}; "
+                         f"+-{np.mean([max(-r['final_band'][0], r['final_band'][1]) for r in rs]):.1%}")  # fmt: skip
+        lines.append(f"| {dz} | " + " | ".join(cells) + " |")
+    lines += ["", "Stability on the stdlib (the demo's design; the final forecast's sd, target <= 0.5%):", ""]
+    for kind, st in out["stability"].items():
+        finals = ", ".join(f"{r['final']:.4f}" for r in st["ladders"])
+        sd = "-" if st["final_sd"] is None else f"{st['final_sd']:.2%}"
+        lines.append(f"- {kind}: finals {finals}; sd **{sd}**")
+    cov = out["coverage"]
+    lines += ["", f"The band over {cov['forecasts']} real forecasts (the targets, the top rungs from the sizes below, "
+              f"the stability ladders): {cov['final_inside']:.0%} of final points inside the 90% band, "
+              f"{cov['late_inside']:.0%} of the points past 20% (target: 85-95%).", "",
+              f"The prior (`src/moelab/ladder/priors/{out['recipe']}.json`, fitted on {', '.join(out['prior']['corpora'])}): "
+              "per corpus and fraction, E, A and alpha fitted on the rungs and the target together (a profile over "
+              "alpha); the prior is their mean and sample sd across corpora. At the end of the run:", "",
+              "| corpus | alpha (on compute) | E / top rung's loss |", "|---|---|---|"]  # fmt: skip
+    for c, p in out["params"].items():
+        i = p["fractions"].index(1.0)
+        lines.append(f"| {c} | {p['alpha'][i]:.3f} | {p['e_share'][i]:.3f} |")
+    pr = out["prior"]
+    i = pr["fractions"].index(1.0)
+    for c, ep in out.get("repeats", {}).items():
+        lines.append(f"| {c} | not in the prior: its target reads {ep:.2f} epochs of its data | |")
+    lines.append(f"| **prior** | **{pr['alpha'][i]:.3f} +- {pr['alpha_sd'][i]:.3f}** | **{pr['e_share'][i]:.3f} +- {pr['e_share_sd'][i]:.3f}** |")
+    lines += ["", "![Each corpus's target forecast against its curve](../forecast_corpora.svg)"]
+    return "\n".join(lines)
+
+
+def write_manual(out: dict, path: Path) -> None:
+    text = path.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{path}: no {START} ... {END} markers to write the tables between")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + START + "\n" + manual_tables(out) + "\n" + END + tail)
 
 
 def print_table(out: dict) -> None:

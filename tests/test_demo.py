@@ -42,7 +42,7 @@ def test_demo_without_the_clone_says_where_it_runs(monkeypatch, tmp_path, capsys
     """An install from a wheel holds no experiments/ or ladders/: the demo says to run it in a clone."""
     from moelab.cli import demo, main
 
-    monkeypatch.setattr(demo, "EXAMPLE", tmp_path / "experiments" / "exp24_forecast_noise_floor.py")
+    monkeypatch.setattr(demo, "EXAMPLE", tmp_path / "experiments" / "exp37_forecast_prior.py")
     monkeypatch.setattr(demo, "ROOT", tmp_path)
     monkeypatch.setattr(demo, "DEMO_LADDER", tmp_path / "ladders" / "demo.yaml")
     assert main(["demo", "--prefix", str(tmp_path / "lab")]) == 2

@@ -92,7 +92,7 @@ def test_forward_chaining_picks_the_law_that_made_the_ladder():
         e = 0.1 / 0.9 * a * (SIZES[-2] * f / C_REF) ** -0.8  # E = 0.1 (E + a x_top): the top rung forward chaining fits
         return e + a * (c / C_REF) ** -0.8
 
-    for law, want in ((marin_like, "marin"), (prior_like, "prior"), (share_like, "prior-e")):
+    for law, want in ((marin_like, "marin"), (prior_like, "prior-alpha"), (share_like, "prior-e")):
         got = P.forward_chain(curves_from(law, fractions=fr), prior)
         assert got["chosen"] == want, got["scores"]
         assert got["scores"][want]["mean_abs_past_20"] < 1e-6

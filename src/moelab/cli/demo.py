@@ -1,6 +1,6 @@
 """`make demo`: Marin's hero and ladder as moelab counts them, then the ladder experiment.
 
-The experiment (experiments/exp24_forecast_noise_floor.py) goes through `moelab run`: its declaration
+The experiment (experiments/exp37_forecast_prior.py) goes through `moelab run`: its declaration
 and prediction are journaled; four tiny rungs, two seeds each, train on the standard library (tokenizer, token
 store, evals every 5%, checkpoints); the target's whole curve is forecast from them and the
 forecast registered in the journal; the target trains, monitored against the forecast and the
@@ -78,7 +78,7 @@ def print_layer_table(rec: dict) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = ROOT / "experiments" / "exp24_forecast_noise_floor.py"
+EXAMPLE = ROOT / "experiments" / "exp37_forecast_prior.py"
 DEMO_LADDER = ROOT / "ladders" / "demo.yaml"
 
 

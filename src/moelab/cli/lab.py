@@ -175,7 +175,7 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="Marin's accounting, then the example experiment run, judged and published")
     p.add_argument(
         "--experiment",
-        help="an experiment file (default: the repository's experiments/exp24_forecast_noise_floor.py, the demo ladder)",
+        help="an experiment file (default: the repository's experiments/exp37_forecast_prior.py, the demo ladder)",
     )
     p.add_argument("--prefix", default="runs/lab", help="where the experiment's steps and journal go")
     p.add_argument("--site", default="runs/site", help="where the site is written")

@@ -6,7 +6,8 @@
 # paper's law; the lr-annealing law carries the schedule instead)
 LAWS = ("lr-annealing", "chinchilla", "lr-annealing-peak")
 DEFAULT_LAW = "lr-annealing"
-# per fraction, two free parameters: the size exponent (prior) or E (prior-e) from the recipe's prior
-# file (moelab.ladder.prior), or E at Marin's 1.5 (per-fraction with --e 1.5 is Marin's own form)
-PRIOR_LAWS = ("prior", "prior-e")
+# per fraction, two free parameters: the size exponent (prior-alpha) or E (prior-e) from the recipe's
+# prior file (moelab.ladder.prior); prior: whichever of those and Marin's E = 1.5 forecasts the ladder's
+# largest rung best from the smaller ones (forward chaining)
+PRIOR_LAWS = ("prior", "prior-alpha", "prior-e")
 LAW_CHOICES = (*LAWS, "per-fraction", *PRIOR_LAWS)

@@ -553,8 +553,10 @@ def forecast(
         curves = [rung_curve(d, agg=agg) for d in rung_dirs]
         if log:
             log(f"fitting {law} at every 5% across {len(curves)} rungs (prior {pr.key}), with its band ...")
-        fc = P.forecast_prior(curves, flops, target.total_steps, pr, law, n_boot=max(n_boot, 400))
-        fc["forward_chain"] = P.forward_chain(curves, pr)  # the score kept with every forecast
+        chain = P.forward_chain(curves, pr)  # the score kept with every forecast
+        use = chain["chosen"] if law == "prior" and chain["chosen"] else ("prior-alpha" if law == "prior" else law)
+        fc = P.forecast_prior(curves, flops, target.total_steps, pr, use, n_boot=max(n_boot, 400))
+        fc.update(law=law, fitted_by=use, forward_chain=chain)
         fc["prior"] = {"key": pr.key, "version": pr.version, "corpora": pr.corpora, "created": pr.created}
     else:
         runs = shared_prefixes_once([rung_run(d, agg=agg) for d in rung_dirs])

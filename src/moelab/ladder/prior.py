@@ -5,7 +5,7 @@ C = f x the run's training FLOPs, follow L_f(C) = E_f + A_f (C / C_ref)^-alpha_f
 a 2-4x width range cannot tell E_f from alpha_f (moving E by half a nat barely changes the fit and
 moves the forecast by percents), so one of them comes from the recipe's prior:
 
-- ``prior`` (alpha from the prior): E_f and A_f by least squares on relative error, a linear fit
+- ``prior-alpha`` (alpha from the prior): E_f and A_f by least squares on relative error, a linear fit
   with one optimum; E outside [0, the smallest loss) or A <= 0 falls back to E from the prior (as a
   share of the top rung's loss), and the forecast says so;
 - ``prior-e`` (E from the prior, as that share): A_f and alpha_f, a straight line in log-log.
@@ -33,7 +33,8 @@ from moelab.errors import ForecastError
 
 PRIOR_DIR = Path(__file__).with_name("priors")
 PRIOR_VERSION = 1
-MODES = {"prior": "alpha", "prior-e": "E"}  # law name -> what the prior holds
+MODES = {"prior-alpha": "alpha", "prior-e": "E", "marin": "marin"}  # law name -> what is held
+CHAINED = ("prior-alpha", "prior-e", "marin")  # what law "prior" chooses among, by forward chaining
 ALPHA_GRID = np.concatenate([np.linspace(0.005, 0.2, 40), np.linspace(0.205, 1.5, 260)])
 LEVEL = 0.9
 
@@ -274,17 +275,17 @@ def forecast_prior(
     target_flops: float,
     target_steps: int,
     prior: Prior | None,
-    law: str = "prior",
+    law: str = "prior-alpha",
     n_boot: int = 400,
     level: float = LEVEL,
     seed: int = 0,
     size_weights: dict | None = None,
 ) -> dict:
     """The target's loss at every 5% from the rungs' points at that 5% (``curves``: per run, its
-    ``fractions`` and total ``flops``), with alpha (``prior``) or E (``prior-e``) from ``prior``, or
+    ``fractions`` and total ``flops``), with alpha (``prior-alpha``) or E (``prior-e``) from ``prior``, or
     E at Marin's 1.5 (``marin``); the band from the prior's spread, the sizes resampled and the seed
     noise. ``size_weights``: a weight per size (total FLOPs, rounded to 1e3) for the fit (the smallest rung down-weighted)."""
-    mode = {"prior": "alpha", "prior-e": "E", "marin": "marin"}[law]
+    mode = MODES[law]
     if prior is None and mode != "marin":
         raise ForecastError(f"the {law} law needs the recipe's prior")
     sizes = sorted({round(float(c["flops"]), -3) for c in curves})
@@ -361,7 +362,7 @@ def basins(curves: list[dict], target_flops: float, prior: Prior, fc: dict) -> d
     }  # fmt: skip
 
 
-def forward_chain(curves: list[dict], prior: Prior | None, laws=("prior", "prior-e", "marin")) -> dict:
+def forward_chain(curves: list[dict], prior: Prior | None, laws=CHAINED) -> dict:
     """Each law fitted on every size but the largest forecasts the largest (its seeds' mean): the
     mean |error| past 20% and the final error, per law, and the law with the smallest mean."""
     top = max(round(float(c["flops"]), -3) for c in curves)
