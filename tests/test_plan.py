@@ -47,13 +47,13 @@ def test_seeds_give_each_rung_several_runs_and_the_target_one(tmp_path):
     lad = load_ladder(ROOT / "ladders" / "demo.yaml")
     assert lad.seeds == 2
     runs = rung_runs(lad)
-    assert [name for name, _ in runs] == [f"demo-d{d}{s}" for d in (24, 32, 40, 48) for s in ("", "-s1")]
+    assert [name for name, _ in runs] == [f"demo-d{d}{s}" for d in lad.widths for s in ("", "-s1")]
     for (_, a), (_, b) in zip(runs[::2], runs[1::2], strict=True):
         assert (a.train.seed, b.train.seed) == (0, 1) and a.name == b.name  # one size, one name: the law's rung
         assert a.model == b.model and a.train.steps == b.train.steps and a.train.lr_scale == b.train.lr_scale == 4
     steps, target = ladder_steps(str(ROOT / "ladders" / "demo.yaml"))
-    assert len(steps) == 8 and len({s.identity() for s in steps}) == 8
-    assert target == rung_config(lad, 4) and target.train.seed == 0
+    assert len(steps) == 2 * len(lad.widths) and len({s.identity() for s in steps}) == 2 * len(lad.widths)
+    assert target == rung_config(lad, len(lad.widths)) and target.train.seed == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "ladders" / "demo.yaml").read_text().replace("seeds: 2", "seeds: 0"))
     res = run_cli("ladder", "plan", str(bad))
