@@ -522,3 +522,18 @@ def test_a_run_and_its_branches_share_one_seed_offset():
     assert len({round(x, 9) for x in dev[::2]}) == 5  # five seeds: five offsets
     est = estimate_noise(L.fit_law(synth, "chinchilla"), synth)
     assert est["lineages"] == 5 and est["dof"] == 3  # not ten runs: five seeds
+
+
+def test_a_refit_from_several_starts_keeps_the_best_optimum_and_the_fit_names_its_others():
+    """The band's refits start from the fit and from every other optimum its starts found (issue 37)."""
+    truth = TRUTH["lr-annealing"]
+    runs = noisy(truth, [run_of(n) for n in SIZES], 0.01, seed=3)
+    fit = L.fit_law(runs, "lr-annealing")
+    assert fit.converged and all(isinstance(a, L.LawFit) and a.objective >= fit.objective for a in fit.alternatives)
+    # a start where every term but E has vanished: the optimiser cannot leave it (E on its bound)
+    far = L.LawFit("lr-annealing", (4.0, 1e-12, 1e-12, 1e-12), {"alpha": 1.99, "beta": 1.99, "log_t": 4.9},
+                   fit.n_ref, fit.d_ref)  # fmt: skip
+    alone = L.fit_law(runs, "lr-annealing", start=far)
+    both = L.fit_law(runs, "lr-annealing", start=[far, fit])
+    assert alone.objective > 1.5 * fit.objective  # a refit from one bad start stays in its basin
+    assert both.objective == pytest.approx(fit.objective, rel=1e-3)  # with the fit among the starts, it does not
