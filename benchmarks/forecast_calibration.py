@@ -49,7 +49,7 @@ DESIGNS = {  # name -> (widths, seeds per width, seeds of the top rungs, how man
     "d24-d56 (3 seeds on d48, d56)": ((24, 32, 40, 48, 56), 2, 3, 2, 1.0),
 }
 MIN_RATIO = 10.0  # the target's training FLOPs over the largest rung's, at least (issue 37)
-LAWS = ("prior-alpha", "prior-e", "marin")
+LAWS = ("prior-alpha", "prior-e", "marin", "prior-map")
 TARGET = "d104"
 
 

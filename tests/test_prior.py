@@ -130,3 +130,17 @@ def test_the_demo_recipe_ships_a_prior_and_others_are_refused_by_the_command_lin
         res = subprocess.run(base + extra, capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2 and says in res.stderr and res.stderr.count("\n") == 1, res.stderr
         assert not (tmp_path / "fc.json").exists()
+
+
+def test_the_map_exponent_lies_between_the_prior_and_the_rungs_as_their_noise_and_its_spread_weigh():
+    rungs = curves_from(law1, noise=0.003, seed=1)  # the rungs say 0.30, within their noise
+    c = np.array([r["flops"] for r in rungs])
+    loss = np.array([r["fractions"][1.0] for r in rungs])
+    size = np.round(c, -3)
+    p = {"alpha": 0.21, "e_share": 0.5}
+    tight = P.fit_at(c, loss, size, C_REF, {**p, "alpha_sd": 0.002}, "map")
+    loose = P.fit_at(c, loss, size, C_REF, {**p, "alpha_sd": 0.2}, "map")
+    mid = P.fit_at(c, loss, size, C_REF, {**p, "alpha_sd": 0.03}, "map")
+    assert abs(tight["alpha"] - 0.21) < 0.01  # a sure prior holds
+    assert abs(loose["alpha"] - 0.30) < 0.04  # a vague one lets the rungs speak
+    assert tight["alpha"] < mid["alpha"] < loose["alpha"]

@@ -8,7 +8,10 @@ moves the forecast by percents), so one of them comes from the recipe's prior:
 - ``prior-alpha`` (alpha from the prior): E_f and A_f by least squares on relative error, a linear fit
   with one optimum; E outside [0, the smallest loss) or A <= 0 falls back to E from the prior (as a
   share of the top rung's loss), and the forecast says so;
-- ``prior-e`` (E from the prior, as that share): A_f and alpha_f, a straight line in log-log.
+- ``prior-e`` (E from the prior, as that share): A_f and alpha_f, a straight line in log-log;
+- ``prior-map``: alpha_f where the rungs and the prior agree best (the maximum a posteriori: the
+  fit's squared relative residuals over the seed noise plus ((alpha - prior) / prior sd)^2), then
+  E_f and A_f as in ``prior-alpha``; the ladder moves the exponent as far as its noise allows.
 
 The prior (a JSON file per recipe in ``ladder/priors/``) holds, per fraction, alpha and the share
 E / (the top rung's loss) fitted per development corpus on rungs and target together (three free
@@ -33,8 +36,8 @@ from moelab.errors import ForecastError
 
 PRIOR_DIR = Path(__file__).with_name("priors")
 PRIOR_VERSION = 1
-MODES = {"prior-alpha": "alpha", "prior-e": "E", "marin": "marin"}  # law name -> what is held
-CHAINED = ("prior-alpha", "prior-e", "marin")  # what law "prior" chooses among, by forward chaining
+MODES = {"prior-alpha": "alpha", "prior-e": "E", "marin": "marin", "prior-map": "map"}  # law name -> what is held
+CHAINED = ("prior-alpha", "prior-e", "marin", "prior-map")  # what law "prior" chooses among, by forward chaining
 ALPHA_GRID = np.concatenate([np.linspace(0.005, 0.2, 40), np.linspace(0.205, 1.5, 260)])
 LEVEL = 0.9
 
@@ -250,6 +253,17 @@ def fit_at(c, loss, size, c_ref: float, p: dict, mode: str, w=None) -> dict:
     came from the prior because the fit left its range."""
     lo = float(loss.min())
     fallback = None
+    if mode == "map":
+        s2 = max(_seed_sd(size, loss, top=len(loss)) ** 2, 1e-6)  # a point's relative noise variance
+        best = None
+        for alpha in ALPHA_GRID[np.abs(ALPHA_GRID - p["alpha"]) <= 4 * p["alpha_sd"]]:
+            e, a = fit_alpha_held(c, loss, alpha, c_ref, w)
+            if not (0.0 <= e < lo and a > 0):
+                continue
+            obj = _sse(c, loss, e, a, alpha, c_ref, w) / s2 + ((alpha - p["alpha"]) / p["alpha_sd"]) ** 2
+            if best is None or obj < best[0]:
+                best = (obj, alpha)
+        mode, p = "alpha", dict(p, alpha=best[1] if best else p["alpha"])
     if mode == "alpha":
         alpha = p["alpha"]
         e, a = fit_alpha_held(c, loss, alpha, c_ref, w)
