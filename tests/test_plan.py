@@ -58,3 +58,19 @@ def test_seeds_give_each_rung_several_runs_and_the_target_one(tmp_path):
     bad.write_text((ROOT / "ladders" / "demo.yaml").read_text().replace("seeds: 2", "seeds: 0"))
     res = run_cli("ladder", "plan", str(bad))
     assert res.returncode == 2 and "seeds: runs per rung must be >= 1" in res.stderr
+
+
+def test_top_seeds_give_the_widest_rung_more_runs(tmp_path):
+    from moelab.ladder.plan import rung_runs
+
+    lad = tmp_path / "lad.yaml"
+    text = (ROOT / "ladders" / "demo.yaml").read_text()
+    lad.write_text(text + "\ntop_seeds: 3\n")
+    ladder = load_ladder(lad)
+    names = [name for name, _ in rung_runs(ladder)]
+    top = ladder.widths[-1]
+    assert names.count(f"demo-d{top}") == 1 and f"demo-d{top}-s2" in names and f"demo-d{ladder.widths[0]}-s2" not in names
+    assert len(names) == 2 * len(ladder.widths) + 1
+    lad.write_text(text + "\ntop_seeds: 1\n")
+    res = run_cli("ladder", "plan", str(lad))
+    assert res.returncode == 2 and "top_seeds" in res.stderr and res.stderr.count("\n") == 1

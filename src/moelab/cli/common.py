@@ -177,4 +177,6 @@ def print_plan(ladder, flops_per_s: float | None = None, as_json: bool = False) 
             f" {r['tokens_per_active_param']:>7.0f} {r['steps']:>7} {r['train_flops']:>9.3g} {when:>9}"
         )
     if getattr(ladder, "seeds", 1) > 1:
-        print(f"  each rung runs {ladder.seeds} times (seeds 0-{ladder.seeds - 1}); the target once")
+        top_k = getattr(ladder, "top_seeds", 0)
+        top = f", the widest {top_k} times" if top_k > ladder.seeds else ""
+        print(f"  each rung runs {ladder.seeds} times (seeds 0-{ladder.seeds - 1}){top}; the target once")

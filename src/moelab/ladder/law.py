@@ -385,10 +385,11 @@ def fit_law(
         return LawFit(law, tuple(float(v) for v in lin), {k: float(v) for k, v in nl.items()}, n_ref, d_ref, item[0],
                       lr_ref, tuple(edge), ("E",) if e_fixed is not None else (), bool(item[2]), alternatives)  # fmt: skip
 
-    # other optima: apart from the best by more than 5% of a parameter's range, each kept once
+    # other optima nearly as good (objective within 1.5x the best), apart from the best by more than 5%
+    # of a parameter's range, each kept once: where a refit of a slightly different ladder may land
     others = []
     for item in found[1:]:
-        if all(np.max(np.abs(item[1] - o[1]) / span) > 0.05 for o in [found[0], *others]):
+        if item[0] <= 1.5 * found[0][0] and all(np.max(np.abs(item[1] - o[1]) / span) > 0.05 for o in [found[0], *others]):
             others.append(item)
     return made(found[0], tuple(made(o) for o in others[:3]))
 

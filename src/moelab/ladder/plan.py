@@ -34,7 +34,7 @@ from moelab.config import Config, ConfigError, load_config
 
 FIELDS = ("recipe", "overrides", "widths", "head_dim", "layers", "kv_local_divisor", "kv_global_divisor",
           "expert_ratio", "batch_size", "tokens_per_active_param", "budget_flops", "name", "target_width",
-          "seeds")  # fmt: skip
+          "seeds", "top_seeds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Ladder:
     name: str = "ladder"
     target_width: int = 0  # 0 = none: the target is given elsewhere (a preset or config)
     seeds: int = 1  # runs per rung (train.seed 0, 1, ...); the target runs once
+    top_seeds: int = 0  # runs of the widest rung, when more than seeds (the forecast leans on it most); 0 = seeds
 
     def all_widths(self) -> tuple[int, ...]:
         """The rungs' widths, then the target's when the ladder names one."""
@@ -80,7 +81,7 @@ def load_ladder(path: str | Path) -> Ladder:
     for key, kind in (("widths", int), ("head_dim", int), ("layers", float), ("batch_size", int),
                       ("kv_local_divisor", int), ("kv_global_divisor", int), ("expert_ratio", float),
                       ("tokens_per_active_param", float), ("budget_flops", float), ("target_width", int),
-                      ("seeds", int)):  # fmt: skip
+                      ("seeds", int), ("top_seeds", int)):  # fmt: skip
         value = data.get(key)
         values = value if isinstance(value, list) else [value]
         if key == "widths" and not isinstance(value, list):
@@ -104,10 +105,12 @@ def load_ladder(path: str | Path) -> Ladder:
         tokens_per_active_param=float(data.get("tokens_per_active_param", 0)),
         budget_flops=float(data.get("budget_flops", 0)), overrides=tuple(data.get("overrides", []) or ()),
         name=str(data.get("name", path.stem)), target_width=int(data.get("target_width", 0) or 0),
-        seeds=int(data.get("seeds", 1)),
+        seeds=int(data.get("seeds", 1)), top_seeds=int(data.get("top_seeds", 0) or 0),
     )  # fmt: skip
     if ladder.seeds < 1:
         errors.append(f"{path}: seeds: runs per rung must be >= 1, got {ladder.seeds}")
+    if ladder.top_seeds and ladder.top_seeds < ladder.seeds:
+        errors.append(f"{path}: top_seeds: {ladder.top_seeds} runs of the widest rung, fewer than seeds {ladder.seeds}; give 0 or more")
     for key, value in (("layers", ladder.layers), ("batch_size", ladder.batch_size)):
         allowed = {1, len(widths), len(widths) + 1} if ladder.target_width else {1, len(widths)}
         if isinstance(value, tuple) and len(value) not in allowed:
@@ -164,7 +167,8 @@ def rung_runs(ladder: Ladder) -> list[tuple[str, Config]]:
     out = []
     for i, d in enumerate(ladder.widths):
         cfg = rung_config(ladder, i)
-        for k in range(ladder.seeds):
+        top = i == len(ladder.widths) - 1 and ladder.top_seeds
+        for k in range(ladder.top_seeds if top else ladder.seeds):
             seeded = cfg if k == 0 else load_config(cfg, [f"train.seed={cfg.train.seed + k}"])
             out.append((f"{ladder.name}-d{d}" + (f"-s{k}" if k else ""), dataclasses.replace(seeded, name=cfg.name)))
     return out
