@@ -28,7 +28,6 @@ DATA_SEEDS = 3  # stability: three data orders of the seed-0/1 ladder
 
 def jobs(corpus: str, stability: bool) -> list[tuple[str, object]]:
     from dev_corpora import sources_override
-
     from moelab.config import load_config
     from moelab.ladder.plan import load_ladder, rung_config
 
@@ -56,7 +55,6 @@ def jobs(corpus: str, stability: bool) -> list[tuple[str, object]]:
 
 def main() -> None:
     from dev_corpora import CORPORA, available
-
     from moelab.train.loop import train
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -43,7 +43,8 @@ ALL = {**CORPORA, **KEPT_ASIDE}
 # packages' domain may hold 16 MB (the recipe's rule: the target reads under one epoch of every domain).
 # The node modules hold 9 MB of JavaScript and markdown in all: their target repeats its data (about
 # 1.4 epochs), so that corpus is forecast but not fitted into the prior (forecast_calibration.py).
-EXTRA = {"sitepkgs": ["data.bad_records=skip", "data.max_bytes_per_domain=16000000"], "debdocs": ["data.bad_records=skip"]}
+EXTRA = {"sitepkgs": ["data.bad_records=skip", "data.max_bytes_per_domain=16000000"], "vim": ["data.bad_records=skip"],
+         "debdocs": ["data.bad_records=skip"]}  # vim ships keymaps in latin1, for one
 
 
 def sources_override(corpus: str) -> list[str]:

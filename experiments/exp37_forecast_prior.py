@@ -1,12 +1,12 @@
 """The ladder forecast that does not jump, end to end on a laptop (what `make demo` runs; issue 37).
 
 The rungs of ladders/demo.yaml (the recipe of issue 24: head size 8, two layers, Marin's learning-rate
-rule times 4, 20 tokens per active parameter), two seeds each, train on the standard library. At every
-5% of the run the target's held-out loss is forecast as E + A C^-alpha across the rungs' points at that
-5%, with two free parameters: the size exponent alpha comes from the recipe's prior
-(src/moelab/ladder/priors/, fitted on six development corpora by benchmarks/forecast_calibration.py),
-or E does, or E is Marin's 1.5, whichever forecasts the ladder's largest rung best from the smaller
-ones (forward chaining, its scores kept in the forecast). The band draws the exponent from its spread
+rule times 4, 20 tokens per active parameter), two seeds each and three of the widest, train on the
+standard library. At every 5% of the run the target's held-out loss is forecast as E + A C^-alpha across
+the rungs' points at that 5%, with two free parameters: the size exponent alpha comes from the recipe's prior
+(src/moelab/ladder/priors/, fitted on the development corpora by benchmarks/forecast_calibration.py),
+or E does, or E is Marin's 1.5, or alpha is where the rungs and the prior agree best (prior-map),
+whichever forecasts the ladder's largest rung best from the smaller ones (forward chaining, its scores kept in the forecast). The band draws the exponent from its spread
 across the corpora, resamples the sizes and adds the target's seed noise. The forecast is registered in
 the journal before the target trains; the target trains monitored against it; its health summary and
 forecast error are judged. The forecast is of the held-out loss weighted by the training mixture (`mix`).

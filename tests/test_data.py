@@ -444,12 +444,10 @@ def test_text_field_by_domain_names_training_and_validation_domains(tmp_path):
 
 def test_the_data_seed_moves_the_batches_and_leaves_the_initialisation(corpus, tmp_path):
     """train.data_seed (issue 37): a run's data order apart from its parameters' seed."""
-    from moelab.config import config_hash, load_config
-    from moelab.train.loop import train
-
     from conftest import MICRO
-
+    from moelab.config import config_hash, load_config
     from moelab.errors import ConfigError
+    from moelab.train.loop import train
 
     base = [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=3", "train.eval_every=3"]
     runs = {}

@@ -44,6 +44,17 @@ def runs(counts: Path) -> dict:
     return {p.name: len(p.read_text().splitlines()) for p in counts.iterdir() if not p.name.startswith("hang")}
 
 
+def test_a_config_field_added_at_its_neutral_value_leaves_a_train_steps_identity_as_recorded():
+    """A finished step is found again after moelab adds a config field: the identity below was computed
+    by the lab before train.data_seed existed (commit 42971e4); a non-neutral value is a new step."""
+    from moelab.config import load_config
+    from moelab.lab.steps import train_step
+
+    assert train_step("pin", load_config("tiny", ["train.steps=7"])).dirname() == "pin-c2e74a2b4bab"
+    moved = train_step("pin", load_config("tiny", ["train.steps=7", "train.data_seed=3"]))
+    assert moved.dirname() != "pin-c2e74a2b4bab"
+
+
 def test_second_run_runs_nothing(lab):
     exp = load_experiment(lab["exp"])
     first = Runner(exp, lab["prefix"], log=lambda *_: None).run()

@@ -1090,8 +1090,21 @@ HASH_NEUTRAL = {
     ("model", "rope_scaling"): "ntk",  # no effect without a longer context than RoPE's original
     ("model", "rope_original_len"): 0,
 }  # spill_choices changes what spill does: it is hashed
+# of those, the fields added after the lab's step identities were recorded (moelab.lab.steps): at their
+# neutral value they leave out of a step's identity too, so a finished step is still found
+LAB_NEUTRAL = {("train", "data_seed")}
 # fields never hashed: what is evaluated beside the loss changes nothing a run trains
 NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples")}
+
+
+def step_dict(cfg: Config) -> dict:
+    """``cfg`` as a lab step's identity holds it: ``to_dict`` without the LAB_NEUTRAL fields at their
+    neutral values."""
+    data = to_dict(cfg)
+    for section, key in LAB_NEUTRAL:
+        if data.get(section, {}).get(key) == HASH_NEUTRAL[(section, key)]:
+            data[section].pop(key)
+    return data
 
 
 def data_seed(cfg: Config) -> int:

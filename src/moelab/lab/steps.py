@@ -69,10 +69,10 @@ def train_step(
 
     ``forecast``: ``output_of(a forecast step) / "forecast.json"``; the run is monitored against it
     (and against the rungs it came from) from its first step."""
-    from moelab.config import Config, to_dict
+    from moelab.config import Config, step_dict
 
     if isinstance(config, Config):
-        fields = {"resolved": versioned(to_dict(config)), "name": config.name}
+        fields = {"resolved": versioned(step_dict(config)), "name": config.name}
     else:
         from moelab.config import load_config
         from moelab.errors import ConfigError, ExperimentError
@@ -199,7 +199,7 @@ def forecast_step(
     measured apart, pooled with the rungs' own (a ladder of too few seeds needs it). ``prior``: the
     recipe's prior file's content (moelab.ladder.prior.load_prior(...).to_dict()), which the prior
     laws need; hashed with the step, so a new prior is a new forecast."""
-    from moelab.config import to_dict
+    from moelab.config import step_dict
     from moelab.ladder.law import DEFAULT_LAW
 
     return Step(
@@ -207,7 +207,7 @@ def forecast_step(
         fn=_forecast,
         config={
             "rungs": versioned(list(rungs)),
-            "target": {"resolved": versioned(to_dict(target))},
+            "target": {"resolved": versioned(step_dict(target))},
             "law": versioned(law or DEFAULT_LAW),
             "e": versioned(e),
             "floor": versioned(floor),

@@ -20,7 +20,16 @@ import jax
 import numpy as np
 
 from moelab import accounting
-from moelab.config import Config, config_hash, data_seed, phase_config, phase_seq_lens, resolve_dtype, rope_scaling_of, to_dict
+from moelab.config import (
+    Config,
+    config_hash,
+    data_seed,
+    phase_config,
+    phase_seq_lens,
+    resolve_dtype,
+    rope_scaling_of,
+    to_dict,
+)
 from moelab.data.mixture import batch_at, batch_rows, build_mixture, epochs_at
 from moelab.data.store import build_store
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
