@@ -44,14 +44,16 @@ def test_seeds_give_each_rung_several_runs_and_the_target_one(tmp_path):
     from moelab.lab.steps import ladder_steps
     from moelab.ladder.plan import rung_config, rung_runs
 
-    lad = load_ladder(ROOT / "ladders" / "demo.yaml")
-    assert lad.seeds == 2
+    two = tmp_path / "demo.yaml"  # the demo's ladder with two runs of every rung, the widest too
+    two.write_text((ROOT / "ladders" / "demo.yaml").read_text().replace("top_seeds: 3", "top_seeds: 0"))
+    lad = load_ladder(two)
+    assert lad.seeds == 2 and lad.top_seeds == 0
     runs = rung_runs(lad)
     assert [name for name, _ in runs] == [f"demo-d{d}{s}" for d in lad.widths for s in ("", "-s1")]
     for (_, a), (_, b) in zip(runs[::2], runs[1::2], strict=True):
         assert (a.train.seed, b.train.seed) == (0, 1) and a.name == b.name  # one size, one name: the law's rung
         assert a.model == b.model and a.train.steps == b.train.steps and a.train.lr_scale == b.train.lr_scale == 4
-    steps, target = ladder_steps(str(ROOT / "ladders" / "demo.yaml"))
+    steps, target = ladder_steps(str(two))
     assert len(steps) == 2 * len(lad.widths) and len({s.identity() for s in steps}) == 2 * len(lad.widths)
     assert target == rung_config(lad, len(lad.widths)) and target.train.seed == 0
     bad = tmp_path / "bad.yaml"
@@ -65,12 +67,13 @@ def test_top_seeds_give_the_widest_rung_more_runs(tmp_path):
 
     lad = tmp_path / "lad.yaml"
     text = (ROOT / "ladders" / "demo.yaml").read_text()
-    lad.write_text(text + "\ntop_seeds: 3\n")
+    text = text.replace("top_seeds: 3", "top_seeds: 0")
+    lad.write_text(text.replace("top_seeds: 0", "top_seeds: 3"))
     ladder = load_ladder(lad)
     names = [name for name, _ in rung_runs(ladder)]
     top = ladder.widths[-1]
     assert names.count(f"demo-d{top}") == 1 and f"demo-d{top}-s2" in names and f"demo-d{ladder.widths[0]}-s2" not in names
     assert len(names) == 2 * len(ladder.widths) + 1
-    lad.write_text(text + "\ntop_seeds: 1\n")
+    lad.write_text(text.replace("top_seeds: 0", "top_seeds: 1"))
     res = run_cli("ladder", "plan", str(lad))
     assert res.returncode == 2 and "top_seeds" in res.stderr and res.stderr.count("\n") == 1
