@@ -1100,10 +1100,14 @@ NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples")}
 def step_dict(cfg: Config) -> dict:
     """``cfg`` as a lab step's identity holds it: ``to_dict`` without the LAB_NEUTRAL fields at their
     neutral values."""
-    data = to_dict(cfg)
-    for section, key in LAB_NEUTRAL:
-        if data.get(section, {}).get(key) == HASH_NEUTRAL[(section, key)]:
-            data[section].pop(key)
+    return _without_neutral(to_dict(cfg), LAB_NEUTRAL)
+
+
+def _without_neutral(data: dict, keys) -> dict:
+    """``data`` (a config's dict) without the HASH_NEUTRAL ``keys`` that hold their neutral value."""
+    for section, key in keys:
+        if data.get(section, {}).get(key, HASH_NEUTRAL[(section, key)]) == HASH_NEUTRAL[(section, key)]:
+            data.get(section, {}).pop(key, None)
     return data
 
 
@@ -1131,10 +1135,7 @@ def resolve_dtype(cfg: Config, backend: str | None = None) -> Config:
 
 
 def config_hash(cfg: Config) -> str:
-    data = to_dict(cfg)
-    for (section, key), value in HASH_NEUTRAL.items():
-        if data.get(section, {}).get(key, value) == value:
-            data[section].pop(key, None)
+    data = _without_neutral(to_dict(cfg), HASH_NEUTRAL)
     for section, key in NEVER_HASHED:
         data.get(section, {}).pop(key, None)
     blob = json.dumps(data, sort_keys=True).encode()
