@@ -162,10 +162,11 @@ def test_the_health_step_refuses_a_forecast_the_journal_never_registered(tmp_pat
 # ------------------------------------------------------------------------------- leases that hold
 
 
-def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypatch):
+def test_a_frozen_runner_that_lost_its_lease_commits_nothing_and_adds_no_journal_line(tmp_path, monkeypatch):
     """Runner A is frozen (SIGSTOP) inside step a past the lease timeout; runner B takes the step
     over and finishes the experiment; A, resumed (SIGCONT), finishes its copy of step a but finds
-    another owner: exactly one SUCCESS and one outcome, A's set aside, and the journal says so."""
+    another owner: exactly one SUCCESS and one outcome, A's set aside with a note in its own folder,
+    and not one journal line from A after it woke (issue 38: a lost lease writes nothing)."""
     import os
     import signal
     import time
@@ -179,6 +180,7 @@ def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypat
     monkeypatch.setenv("LAB_COUNTS", str(counts))
     monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
     exp_path, prefix = write_experiment(tmp_path / "exp9_chain.py"), tmp_path / "lab"
+    journal = prefix / "experiments" / "exp9_chain" / "journal.jsonl"
     a = load_experiment(exp_path).all_steps()[0]
     first = _run_cli(exp_path, prefix, {"LAB_SLEEP": "4"})
     deadline = time.time() + 60
@@ -191,22 +193,24 @@ def test_a_frozen_runner_that_lost_its_lease_commits_nothing(tmp_path, monkeypat
         second = _run_cli(exp_path, prefix, {"LAB_SLEEP": "0"})
         out, err = second.communicate(timeout=120)
         assert second.returncode == 0, err[-2000:]
+        before = journal.read_bytes()  # B is done: everything on record now is B's or A's before it froze
     finally:
         os.kill(first.pid, signal.SIGCONT)
     out, err = first.communicate(timeout=120)
-    assert first.returncode == 0, err[-2000:]
+    assert first.returncode == 1 and "lost a to another runner" in out, (out, err[-2000:])  # it stopped, and says why
+    assert journal.read_bytes() == before  # not one line from the woken runner
     assert runs(counts) == {"a": 2, "b": 1, "c": 1}  # a ran in both; b and c once, by B
-    events = Journal(prefix / "experiments" / "exp9_chain" / "journal.jsonl").read()
+    events = Journal(journal).read()
     finished = [e for e in events if e["event"] == "step_finished" and e["step"] == "a"]
     assert len(finished) == 1  # one commit
     taken = [e for e in events if e["event"] == "lease_taken_over" and e["step"] == "a"]
-    lost = [e for e in events if e["event"] == "lease_lost" and e["step"] == "a"]
-    assert len(taken) == 1 and len(lost) == 1 and taken[0]["time"] < finished[0]["time"] < lost[0]["time"]
+    assert len(taken) == 1 and taken[0]["time"] < finished[0]["time"]
+    assert not [e for e in events if e["event"] in ("lease_lost", "step_failed")]
     status = json.loads((prefix / f"{a.dirname()}.status").read_text())
-    assert status["status"] == "SUCCESS" and status["owner"] != lost[0]["owner"]  # B's
     committed = json.loads((prefix / a.dirname() / "provenance.json").read_text())
     (attempt,) = [d for d in (prefix / f"{a.dirname()}.attempts").iterdir()]  # A's, never committed
-    assert lost[0]["set_aside"] == f"{a.dirname()}.attempts/{attempt.name}" and committed["attempt"] != attempt.name
+    assert status["status"] == "SUCCESS" and status["owner"] != json.loads((attempt / "lease_lost.json").read_text())["owner"]
+    assert committed["attempt"] != attempt.name
     assert json.loads((attempt / "provenance.json").read_text())["attempt"] == attempt.name  # A wrote only there
     assert not (prefix / f"{a.dirname()}.lease").exists()  # released by its owner, not by A
 
@@ -401,6 +405,7 @@ def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads
     from test_executor import _run_cli
 
     exp_path, prefix = tmp_path / "exp32_fenced.py", tmp_path / "lab"
+    journal = prefix / "experiments" / "exp32_fenced" / "journal.jsonl"
     exp_path.write_text(TRAINING.replace("SETS", repr(_fenced_sets(corpus))))
     monkeypatch.setenv("MOELAB_LEASE_TIMEOUT", "2")
     first = _run_cli(exp_path, prefix, {"MOELAB_TEST_FAULTS": freeze})
@@ -416,19 +421,23 @@ def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads
         second = _run_cli(exp_path, prefix, {})
         _, err = second.communicate(timeout=300)
         assert second.returncode == 0, err[-2000:]
+        before = journal.read_bytes()
     finally:
         os.kill(first.pid, signal.SIGCONT)
     first.communicate(timeout=300)
+    assert journal.read_bytes() == before  # A, woken, adds no journal line (issue 38)
     (step,) = load_experiment(exp_path).all_steps()
     out = prefix / step.dirname()
-    events = Journal(prefix / "experiments" / "exp32_fenced" / "journal.jsonl").read()
+    events = Journal(journal).read()
     assert len([e for e in events if e["event"] == "step_finished"]) == 1  # one outcome
     (taken,) = [e for e in events if e["event"] == "lease_taken_over"]
     (resumed,) = [e for e in events if e["event"] == "step_resumed"]
-    (failed,) = [e for e in events if e["event"] == "step_failed"]  # A, woken: the lease is gone, it stops
-    assert failed["lease_lost"] and failed["attempt"] == resumed["from_attempt"] != resumed["attempt"]
+    assert not [e for e in events if e["event"] == "step_failed"]
+    lost = json.loads((prefix / f"{step.dirname()}.attempts" / resumed["from_attempt"] / "lease_lost.json").read_text())
+    assert resumed["from_attempt"] != resumed["attempt"]  # A's note sits in A's own folder
     status = json.loads((prefix / f"{step.dirname()}.status").read_text())
-    assert status["status"] == "SUCCESS" and status["owner"] != failed["owner"]
+    assert status["status"] == "SUCCESS" and status["owner"] != lost["owner"]
+    failed = {"attempt": resumed["from_attempt"]}
     # B's files: every step once, equal to an uninterrupted run (A's last writes went to its own folder)
     ref = [r for r in read_jsonl(straight_run / "metrics.jsonl") if r["kind"] == "train"]
     got = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]

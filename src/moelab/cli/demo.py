@@ -174,7 +174,7 @@ def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str 
             print_health(h)
     v = result["verdict"]
     if v:
-        print(f"\nverdict: {v['verdict']}: {v['why']} (predicted {v['predicted']:g})")
+        print(f"\nverdict: {result['headline']}: {v['why']} (predicted {v['predicted']:g})")
     else:
         print(f"\nno verdict: steps not finished: {result['steps']}")
     index = build_site(Path(prefix), Path(site))

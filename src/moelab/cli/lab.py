@@ -32,11 +32,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"{exp.name}: {exp.title}")
     result = runner.run()
-    for v in (result["verdict"], result["post_hoc_verdict"]):
-        if v:
-            print(
-                f"verdict: {v['verdict']} ({v['why']}; predicted {v['predicted']:g}, prediction v{v['prediction_version']})"
-            )
+    from moelab.lab.journal import verdict_text
+
+    first, this = result["verdict"], result["this_attempt"]
+    if first:  # the first attempt's verdict counts; this run's, when it is a later attempt, is shown beside it
+        print(f"verdict: {result['headline']} ({first['why']}; predicted {first['predicted']:g}, prediction "
+              f"v{first['prediction_version']}, attempt {first.get('attempt', 1)})")  # fmt: skip
+    if this and this is not first and this.get("attempt", 1) != first.get("attempt", 1):
+        print(f"this run, attempt {this['attempt']}: {verdict_text(this, first)} ({this['why']})")
+    late = result["post_hoc_verdict"]
+    if late:
+        print(f"verdict: {late['verdict']} ({late['why']}; predicted {late['predicted']:g}, prediction "
+              f"v{late['prediction_version']})")  # fmt: skip
+    if result["lost"]:
+        print(f"this runner lost {', '.join(result['lost'])} to another runner while it stalled and stopped; the "
+              "other runner carries the experiment on (`moelab status` shows where it stands)")  # fmt: skip
+        return 1
     failed = [k for k, x in result["steps"].items() if x != "SUCCESS"]
     if failed:
         print(f"not finished: {', '.join(failed)}; the journal has the tracebacks; run again to resume")
@@ -64,8 +75,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for lab, r in rows:
         late = "".join(f"; {v}" for v in r["post_hoc_verdicts"])
         print(f"{r['experiment']} (v{r['version']}): {r['title']}  verdict: {r['verdict'] or '-'}{late}")
-        for s in r["steps"]:
+        for s in r["steps"]:  # the current graph's steps
             print(f"  {s['status']:<8} {s['name']:<22} {lab / s['dir']}")
+        if len(r["attempts"]) > 1:
+            for a in r["attempts"]:
+                print(f"  attempt {a['number']} ({a['when']}, {a['why']}): {a['verdict'] or 'no verdict'}")
     if runs:
         print(f"runs ({len(runs)}):")
     for run in runs:

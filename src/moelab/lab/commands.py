@@ -10,7 +10,7 @@ from pathlib import Path
 from moelab.errors import ExperimentError
 from moelab.lab.executor import Runner, read_status
 from moelab.lab.graph import Experiment
-from moelab.lab.journal import Journal, record
+from moelab.lab.journal import Journal, attempt_rows, headline, record
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -114,7 +114,8 @@ def status_rows(prefix: Path) -> list[dict]:
                 "title": declared[-1]["title"] if declared else "",
                 "version": len(declared),
                 "steps": steps,
-                "verdict": rec["verdict"]["verdict"] if rec["verdict"] else None,
+                "verdict": headline(rec),
+                "attempts": attempt_rows(rec),
                 "post_hoc_verdicts": [v["verdict"] for v in rec["post_hoc_verdicts"]],
             }
         )
@@ -185,10 +186,17 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
     if shown:
         for v in shown:
             outcome = "no value" if v["outcome"] is None else f"{v['outcome']:.6g}"
+            said = headline(rec) if v is rec["verdict"] else v["verdict"]
             lines += [
-                f"**{v['verdict']}**: {v['metric']} = {outcome} against the predicted {v['predicted']:g} ({v['why']}).",
+                f"**{said}**: {v['metric']} = {outcome} against the predicted {v['predicted']:g} ({v['why']}).",
                 "",
             ]
+        attempts = attempt_rows(rec)
+        if len(attempts) > 1:
+            lines += ["Attempts at the registered prediction (the first one's verdict counts):", ""]
+            lines += [f"- attempt {a['number']}, {a['when']} ({a['why']}): {a['verdict'] or 'no verdict'}"
+                      for a in attempts]  # fmt: skip
+            lines += [""]
         failures = [e for e in events if e["event"] == "step_failed"]
         if failures:
             lines += [

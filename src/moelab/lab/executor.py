@@ -22,8 +22,8 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from moelab.lab.graph import Experiment, Step, resolve
-from moelab.lab.journal import RUNNING, Journal, Running, judge
+from moelab.lab.graph import Experiment, Step, closure, knowable, resolve
+from moelab.lab.journal import RUNNING, Journal, Running, headline, judge, record
 from moelab.train.record import git_state, host, versions
 
 
@@ -209,7 +209,7 @@ class Runner:
         if not self.only:
             return steps
         keep = [s for s in steps if self.only.search(s.name)]
-        needed = {id(d) for s in keep for d in _closure(s)}
+        needed = {id(d) for s in keep for d in closure(s)}
         return [s for s in steps if id(s) in needed]
 
     def result(self, step: Step) -> dict | None:
@@ -217,18 +217,19 @@ class Runner:
         return json.loads(path.read_text()) if path.exists() else None
 
     def origin(self, step: Step) -> dict:
-        """When and by which experiment ``step``'s result was produced: its provenance (the end of the
-        run that made it), or, for an output without one, the outcome file's time."""
+        """When ``step``'s result was started and produced, and by which experiment: its provenance (the
+        first start of any attempt at it, and the end of the run that made it), or, for an output without
+        one, the outcome file's time for both. A step still running, or never run, started now at the
+        earliest."""
         out = self.out(step)
-        prov = out / "provenance.json"
         try:
-            p = json.loads(prov.read_text())
+            p = json.loads((out / "provenance.json").read_text())
             return {"step": step.name, "dir": step.dirname(), "produced": float(p["end"]),
-                    "experiment": p.get("experiment")}  # fmt: skip
+                    "started": float(p.get("first_start", p["start"])), "experiment": p.get("experiment")}  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError):
             made = out / "outcome.json"
             when = made.stat().st_mtime if made.exists() else time.time()
-            return {"step": step.name, "dir": step.dirname(), "produced": when, "experiment": None}
+            return {"step": step.name, "dir": step.dirname(), "produced": when, "started": when, "experiment": None}
 
     def _reused(self, step: Step) -> dict | None:
         """A finished result taken as it is: recorded (``step_reused``, naming what it reuses)."""
@@ -238,18 +239,10 @@ class Runner:
         return self.result(step)
 
     def outcome_origins(self) -> list[dict]:
-        """The origin of every result the predicted metric is computed from: its step and everything
-        upstream of it."""
-        name = self.exp.prediction.metric.partition(":")[0]
-        step = next((s for s in self.exp.all_steps() if s.name == name), None)
-        if step is None:
-            return []
-        seen, out = set(), []
-        for s in _closure(step):
-            if id(s) not in seen:
-                seen.add(id(s))
-                out.append(self.origin(s))
-        return out
+        """The origin of every result that makes the predicted metric known once started: the metric's
+        step and what it reads, not through a forecast (``graph.knowable``)."""
+        step = self.exp.metric_step()
+        return [self.origin(s) for s in knowable(step)] if step is not None else []
 
     def run(self) -> dict:
         self.journal.declare(self.exp, [{"name": s.name, "dir": s.dirname()} for s in self.exp.all_steps()])
@@ -259,8 +252,15 @@ class Runner:
         for s in steps:
             if (self.force and self.force.search(s.name)) or any(id(d) in self._forced for d in s.deps()):
                 self._forced.add(id(s))
+        graph = self.exp.graph()
+        forced = [s.name for s in steps if id(s) in self._forced and s.name in graph]
+        attempt, why = self.journal.begin_attempt(graph, forced)
+        if why is not None and attempt > 1:
+            self.log(f"  attempt {attempt} at the registered prediction ({why}); the first attempt's verdict "
+                     "stays the one that counts")  # fmt: skip
         status: dict[int, str] = {}
         results: dict[str, dict] = {}
+        lost = False
         pool = ThreadPoolExecutor(self.max_concurrent)
         running = {}
         try:
@@ -279,30 +279,45 @@ class Runner:
                         )
                         self.log(f"  {s.name}: not run, a dependency failed")
                         continue
-                    if all(d == "SUCCESS" for d in deps) and len(running) < self.max_concurrent:
+                    if all(d == "SUCCESS" for d in deps) and len(running) < self.max_concurrent and not lost:
                         running[self._submit(pool, s)] = s
                 if not running:
+                    if lost:  # presumed dead by another runner, which carries on: this one starts nothing more
+                        break
                     continue
                 done, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in done:
                     s = running.pop(fut)
                     status[id(s)], outcome = fut.result()
+                    lost = lost or status[id(s)] == "LOST"
                     if outcome is not None:
                         results[s.name] = outcome
         finally:
             pool.shutdown(wait=True)
-        summary = {"steps": {s.name: status[id(s)] for s in steps}, "verdict": None, "post_hoc_verdict": None}
+        summary = {"steps": {s.name: status.get(id(s), "STOPPED") for s in steps}, "attempt": attempt,
+                   "verdict": None, "this_attempt": None, "post_hoc_verdict": None, "headline": None,
+                   "lost": [s.name for s in steps if status.get(id(s)) == "LOST"]}  # fmt: skip
         if all(v == "SUCCESS" for v in summary["steps"].values()) and len(steps) == len(self.exp.all_steps()):
             # judged against the prediction on record before the first step started; a prediction
             # registered later is judged apart, and its verdict says it is post hoc
-            official, late = judge(
-                self.journal.read(), self.exp.prediction, self.exp.outcome(results), known=self.outcome_origins()
-            )
+            official, late = judge(self.journal.read(), self.exp.prediction, self.exp.outcome(results),
+                                   known=self.outcome_origins(), attempt=attempt)  # fmt: skip
             for v in (official, late):
                 if v is not None:
                     self.journal.record_verdict(v)
-            summary["verdict"], summary["post_hoc_verdict"] = official, late
+            rec = record(self.journal.read())  # the verdict that counts is the first attempt's, not this one's
+            summary.update(verdict=rec["verdict"], this_attempt=official, post_hoc_verdict=late, headline=headline(rec))
         return summary
+
+    def _lost(self, step: Step, attempt: Path, how: str) -> str:
+        """A step this runner lost to another while it stalled: the other runner took it over (its
+        ``lease_taken_over`` is on record) and carries the experiment on. Nothing goes into the journal
+        or the step's status from here; a note stays in this runner's own attempt folder."""
+        _write_atomic(attempt / "lease_lost.json", {"owner": self.owner, "time": time.time(), "step": step.name,
+                                                    "how": how})  # fmt: skip
+        self.log(f"  {step.name}: this runner lost its lease to another while it stalled ({how}); it writes "
+                 f"nothing more and stops; its attempt stays in {attempt}")  # fmt: skip
+        return "LOST"
 
     def _submit(self, pool, step: Step):
         if self.backend == "ray":
@@ -357,28 +372,29 @@ class Runner:
             _seed(attempt, previous)
             config = resolve(step.config, lambda s: str(self.out(s)))
             started = time.time()
+            if not (attempt / "started.json").is_file():  # a resumed attempt keeps the first one's start
+                _write_atomic(attempt / "started.json", {"time": started, "owner": self.owner})
+            first_start = json.loads((attempt / "started.json").read_text())["time"]
             running = RUNNING.set(Running(self.journal, step.name, step.dirname(), lease))
             try:
                 outcome = (call or step.fn)(config, attempt)
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
-                tb = traceback.format_exc()
+                tb, error = traceback.format_exc(), f"{type(exc).__name__}: {exc}"
                 (attempt / "error.txt").write_text(tb)
-                held = lease.holds()  # a runner that lost the lease leaves the status to the one that has it
-                if held:
+
+                def failed() -> None:  # only while this runner holds the step: one that lost it writes nothing
                     _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
-                self.journal.write(
-                    "step_failed",
-                    step=step.name,
-                    dir=step.dirname(),
-                    error=f"{type(exc).__name__}: {exc}",
-                    traceback=tb,
-                    attempt=attempt.name,
-                    **({} if held else {"lease_lost": True, "owner": self.owner}),
-                )
-                self.log(f"  {step.name}: FAILED ({type(exc).__name__}: {exc})")
+                    self.journal.write("step_failed", step=step.name, dir=step.dirname(),
+                                       error=error, traceback=tb, attempt=attempt.name)  # fmt: skip
+
+                if lease.commit(failed):
+                    self.log(f"  {step.name}: FAILED ({error})")
+                    result = "FAILED"
+                else:
+                    result = self._lost(step, attempt, error)
                 if not isinstance(exc, Exception):
                     raise
-                return "FAILED", None
+                return result, None
             finally:
                 RUNNING.reset(running)
             # what names the attempt folder names the step's output once committed
@@ -394,6 +410,7 @@ class Runner:
                 "host": host(),
                 "attempt": attempt.name,
                 "start": started,
+                "first_start": first_start,  # when the result became knowable (journal.judge)
                 "end": time.time(),
             }
             _write_atomic(attempt / "provenance.json", provenance)
@@ -409,27 +426,18 @@ class Runner:
                 os.rename(attempt, out)
                 with contextlib.suppress(OSError):  # no other attempt left: no empty folder beside the output
                     attempts.rmdir()
+                for entry in entries:  # registrations, before anything downstream can start
+                    entry = dict(entry)
+                    self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
+                self.journal.write("step_finished", step=step.name, dir=step.dirname(), seconds=time.time() - started)
                 _write_atomic(status_path, {"status": "SUCCESS", "owner": self.owner, "time": time.time()})
 
-            if not lease.commit(commit):  # another runner took the step over while this one stalled
-                self.journal.write("lease_lost", step=step.name, dir=step.dirname(), owner=self.owner,
-                                   note="taken over while this runner stalled; its attempt was not committed",
-                                   set_aside=f"{attempts.name}/{attempt.name}")  # fmt: skip
-                self.log(f"  {step.name}: lease lost to another runner; its attempt stays in {attempt}")
-                now = read_status(self.prefix, step)
-                return (now, self.result(step)) if now == "SUCCESS" else ("FAILED", None)
-            for entry in entries:  # registrations, before anything downstream starts
-                entry = dict(entry)
-                self.journal.write(entry.pop("event"), step=step.name, dir=step.dirname(), **entry)
-            self.journal.write("step_finished", step=step.name, dir=step.dirname(), seconds=time.time() - started)
+            # under the lease's lock and only while this runner holds it: one that lost the step while it
+            # stalled commits nothing and writes no journal line
+            if not lease.commit(commit):
+                return self._lost(step, attempt, "finished, not committed"), None
             self.log(f"  {step.name}: done in {time.time() - started:.1f}s")
             return "SUCCESS", outcome
         finally:
             lease.release()
 
-
-def _closure(step: Step) -> list[Step]:
-    out = [step]
-    for d in step.deps():
-        out.extend(_closure(d))
-    return out

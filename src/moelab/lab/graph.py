@@ -47,6 +47,9 @@ class Step:
     config: dict = field(default_factory=dict)
     resources: dict = field(default_factory=dict)  # e.g. {"num_cpus": 2}, for the Ray backend
     estimate: Callable[[dict], dict] | None = None  # config -> {"flops": ..., "tokens": ...} for --dry-run
+    # its output is a prediction (a forecast registered before what it forecasts runs), not an outcome:
+    # what it was made from does not make an outcome read through it known (``knowable``)
+    forecast: bool = False
 
     def deps(self) -> list[Step]:
         found: list[Step] = []
@@ -109,6 +112,38 @@ def resolve(config: Any, output_path: Callable[[Step], str]) -> Any:
     if isinstance(config, (list, tuple)):
         return type(config)(resolve(v, output_path) for v in config)
     return config
+
+
+def closure(step: Step) -> list[Step]:
+    """``step`` and everything upstream of it, each once."""
+    out: list[Step] = []
+
+    def walk(s: Step) -> None:
+        if all(x is not s for x in out):
+            out.append(s)
+            for d in s.deps():
+                walk(d)
+
+    walk(step)
+    return out
+
+
+def knowable(step: Step) -> list[Step]:
+    """The steps whose results make ``step``'s outcome known once they have started: ``step`` and what
+    it reads, transitively, but not through a forecast step. A target's forecast reads the rungs;
+    the target's outcome is not known by the rungs having run, so a new target forecast from finished
+    rungs is still a prediction. The target, or the step that judges it, having started is knowing."""
+    out: list[Step] = []
+
+    def walk(s: Step) -> None:
+        if s.forecast or any(x is s for x in out):
+            return
+        out.append(s)
+        for d in s.deps():
+            walk(d)
+
+    walk(step)
+    return out
 
 
 def topological(steps: list[Step]) -> list[Step]:
@@ -200,10 +235,22 @@ class Experiment:
             "goal": self.goal,
             "hypothesis": self.hypothesis,
             "description": self.description,
+            "graph": self.graph(),
         }
 
     def all_steps(self) -> list[Step]:
         return topological(self.steps)
+
+    def metric_step(self) -> Step | None:
+        """The step whose outcome the prediction reads (None when the metric names none)."""
+        name = self.prediction.metric.partition(":")[0]
+        return next((s for s in self.all_steps() if s.name == name), None)
+
+    def graph(self) -> dict[str, str]:
+        """The step graph the outcome comes from: each step of the metric's closure and its identity.
+        Part of the declaration's identity: another graph is another attempt at the same prediction."""
+        step = self.metric_step()
+        return {s.name: s.identity() for s in closure(step)} if step is not None else {}
 
     def outcome(self, results: dict[str, dict]) -> float | None:
         """The predicted metric's value from the steps' outcomes: ``step:key.key``."""

@@ -27,20 +27,14 @@ def _train(cfg: dict, out: Path) -> dict:
         tmp.replace(out / "forecast.json")
     from moelab.lab.journal import RUNNING
 
-    on_update = None
     running = RUNNING.get()
+    on_update = forecast_update_writer(running)
     stop = None
-    if running is not None:  # each refit of the forecast goes into the journal as it happens
-        journal, name, dirname, lease = running
+    if running is not None and running.lease is not None:
+        # another runner took this step over while we stalled: stop training into it
 
-        def on_update(upd: dict) -> None:
-            journal.write("forecast_updated", step=name, dir=dirname, at_step=upd["at_step"], law=upd["law"],
-                          final=upd["final"], note="an update; the registered forecast stays what is judged")  # fmt: skip
-
-        if lease is not None:  # another runner took this step over while we stalled: stop training into it
-
-            def stop() -> bool:
-                return lease.lost
+        def stop() -> bool:
+            return running.lease.lost
 
     config = _config(cfg)
     trackers = []
@@ -52,6 +46,20 @@ def _train(cfg: dict, out: Path) -> dict:
     # resume=True: a rerun of a failed step continues from its newest checkpoint
     return train(config, out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
                  stop=stop, trackers=trackers)  # fmt: skip
+
+
+def forecast_update_writer(running):
+    """What a training step calls with each refit of its forecast: a ``forecast_updated`` line in the
+    experiment's journal, written only while the step's runner holds its lease (``Running.write``),
+    so a runner that lost the step writes nothing more. None outside a lab step."""
+    if running is None:
+        return None
+
+    def on_update(upd: dict) -> None:
+        running.write("forecast_updated", at_step=upd["at_step"], law=upd["law"], final=upd["final"],
+                      note="an update; the registered forecast stays what is judged")  # fmt: skip
+
+    return on_update
 
 
 def _estimate(cfg: dict) -> dict:
@@ -205,6 +213,7 @@ def forecast_step(
     return Step(
         name=name,
         fn=_forecast,
+        forecast=True,
         config={
             "rungs": versioned(list(rungs)),
             "target": {"resolved": versioned(step_dict(target))},

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.lab.journal import Journal, record
+from moelab.lab.journal import Journal, attempt_rows, headline, record, verdict_text
 from moelab.train.record import read_jsonl
 
 CSS = """
@@ -377,13 +377,23 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
     else:
         body.append(f"<p class=posthoc>No prediction was on record before the first step ({first}).</p>")
     v = rec["verdict"]
-    if v:
+    if v:  # the first attempt's verdict; a later attempt's that differs is written beside it, never instead
         body.append(
-            f"<p class='{E(v['verdict'])}'>{E(v['verdict'])}</p><p>{E(v['metric'])}: outcome "
+            f"<p class='{E(v['verdict'])}'>{E(headline(rec))}</p><p>{E(v['metric'])}: outcome "
             f"{E(str(v['outcome']))}, predicted {E(str(v['predicted']))}; {E(v['why'])}</p>"
         )
     else:
         body.append("<p>No verdict yet.</p>")
+    attempts = attempt_rows(rec)
+    if len(attempts) > 1:
+        body.append("<h3>Attempts at the registered prediction</h3><p>The first attempt's verdict is the one that "
+                    "counts; every later one is listed with what changed.</p><table><tr><th>attempt</th><th>when</th>"
+                    "<th>why</th><th>verdict</th><th>steps (identity)</th></tr>")  # fmt: skip
+        for a in attempts:
+            graph = ", ".join(f"{k} <code>{E(x)}</code>" for k, x in a["graph"].items())
+            body.append(f"<tr><td>{a['number']}</td><td>{E(a['when'])}</td><td>{E(a['why'])}</td>"
+                        f"<td>{E(a['verdict'] or 'no verdict')}</td><td>{graph}</td></tr>")  # fmt: skip
+        body.append("</table>")
     for p in rec["post_hoc_predictions"]:
         late = next((x for x in rec["post_hoc_verdicts"] if x["prediction_hash"] == p["hash"]), None)
         body.append(
@@ -448,7 +458,8 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
             body.append("</div>")
 
     body.append("<h2>Timeline</h2>")
-    body.append(_timeline([{**e, "source": "journal"} for e in events] + step_events))
+    shown = [{**e, "verdict": verdict_text(e, rec["verdict"])} if e["event"] == "verdict" else e for e in events]
+    body.append(_timeline([{**e, "source": "journal"} for e in shown] + step_events))
     overall = (
         "FAILED"
         if "FAILED" in statuses.values()
@@ -464,7 +475,8 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
         "name": name,
         "title": decl.get("title", name),
         "status": overall,
-        "verdict": rec["verdict"]["verdict"] if rec["verdict"] else None,
+        "verdict": headline(rec),
+        "verdict_class": rec["verdict"]["verdict"] if rec["verdict"] else "-",
         "post_hoc": [x["verdict"] for x in rec["post_hoc_verdicts"]],
         "compute": compute,
     }
@@ -644,7 +656,7 @@ def build_site(prefix: Path, out: Path) -> Path:
         late = "".join(f"<br><span class=posthoc>{E(x)}</span>" for x in info["post_hoc"])
         rows.append(
             f"<tr><td><a href='{E(info['name'])}.html'>{E(info['title'])}</a></td><td>{E(info['status'])}</td>"
-            f"<td class='{E(v)}'>{E(v)}{late}</td><td>{info['compute']:.3g}</td></tr>"
+            f"<td class='{E(info['verdict_class'])}'>{E(v)}{late}</td><td>{info['compute']:.3g}</td></tr>"
         )
     run_rows = []
     for run_dir in runs:
