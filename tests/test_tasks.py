@@ -28,8 +28,9 @@ def test_metrics_against_a_hand_computed_case():
     res = score(exs, lambda pairs: [LL[p] for p in pairs])
     # acc: example 1 right (-1.0 best), example 2 wrong (" blue" -5.0 beats " green" -5.5): 1/2
     assert res["acc"] == 0.5
-    # acc_norm, per byte: ex 1 -1/1, -2.5/2, -3/1 -> "4"; ex 2 -5.5/6 = -0.92 beats -5/5 -> " green": 2/2
-    assert res["acc_norm"] == 1.0
+    # acc_norm, per character (ASCII: per byte alike): ex 1 -1/1, -2.5/2, -3/1 -> "4"; ex 2 -5.5/6 = -0.92
+    # beats -5/5 -> " green": 2/2
+    assert res["acc_norm"] == res["acc_bytes"] == 1.0
     assert res["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
     # bits per byte over the right answers and the continuation: (1 + 5.5 + 2) nats over 1 + 6 + 3 bytes
     assert res["bpb"] == pytest.approx(8.5 / math.log(2) / 10)
@@ -40,6 +41,38 @@ def test_acc_norm_differs_from_acc_where_length_matters():
     exs = [Example("q", ("a", "bbbbbbbbbb"), 1)]
     res = score(exs, lambda pairs: [-1.0, -5.0])  # the long choice: lower in total, higher per byte
     assert res["acc"] == 0.0 and res["acc_norm"] == 1.0
+
+
+# "ééé": 3 characters, 6 UTF-8 bytes; "abcd": 4 and 4. Log-likelihoods -3.3 and -4.0: per character
+# -1.1 against -1.0 picks "abcd", per byte -0.55 against -1.0 picks "ééé" (the answer)
+NON_ASCII = ("q", ["ééé", "abcd"], 0, [-3.3, -4.0])
+
+
+def test_acc_norm_is_per_character_and_acc_bytes_per_byte_on_a_non_ascii_choice():
+    context, choices, answer, ll = NON_ASCII
+    res = score([Example(context, tuple(choices), answer)], lambda pairs: ll)
+    assert res["acc"] == 1.0 and res["acc_norm"] == 0.0 and res["acc_bytes"] == 1.0
+
+
+def test_acc_norm_and_acc_bytes_are_lm_evals_own(tmp_path):
+    """lm-evaluation-harness's own scoring of the same log-likelihoods (its multiple-choice
+    process_results on a local task; the dev install holds lm-eval) gives moelab's numbers."""
+    import json
+
+    from lm_eval.api.task import ConfigurableTask
+
+    context, choices, answer, ll = NON_ASCII
+    data = tmp_path / "mc.jsonl"
+    data.write_text(json.dumps({"context": context, "choices": choices, "answer": answer}) + "\n")
+    task = ConfigurableTask(config={
+        "task": "non_ascii", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "context", "doc_to_choice": "choices",
+        "doc_to_target": "answer", "target_delimiter": "",
+        "metric_list": [{"metric": m, "higher_is_better": True} for m in ("acc", "acc_norm", "acc_bytes")]})  # fmt: skip
+    theirs = task.process_results(next(iter(task.test_docs())), [(x, False) for x in ll])
+    ours = score([Example(context, tuple(choices), answer)], lambda pairs: ll)
+    assert theirs == {"acc": 1.0, "acc_norm": 0.0, "acc_bytes": 1.0}  # the hand-computed case above
+    assert {k: ours[k] for k in theirs} == theirs
 
 
 def test_ties_go_to_the_first_choice():

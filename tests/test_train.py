@@ -688,3 +688,19 @@ def test_a_run_whose_every_step_compiled_reports_no_speed(tmp_path, recwarn):
     rec2 = {**rec, "step": 2, "tokens_per_s": 1000.0, "mfu": 0.1}
     run.metrics.write_text(json.dumps(rec) + "\n" + json.dumps(rec2) + "\n")
     assert summarize(run, load_config("tiny", ["train.steps=2"]))["tokens_per_s"] == 1000.0
+
+
+def test_a_run_compiled_at_xlas_default_level_resumes_exactly(corpus, tmp_path):
+    """Every other equality test compiles with LLVM's optimisation off (tests/conftest.py, for speed);
+    real runs do not. One end to end at XLA's default level: a run killed at step 5 (SIGKILL, after
+    its checkpoint at step 2 or 4) and resumed equals the uninterrupted run, loss and gradient norms alike."""
+    default = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # no backend optimisation flag
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    every = ("--set", "train.checkpoint_every=2")
+    res = _train_cli(corpus, ref, *every, env=default, steps=8)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _train_cli(corpus, out, *every, env={**default, "MOELAB_TEST_FAULTS": "kill@5"}, steps=8)
+    assert res.returncode == -9 and checkpoint.steps(out / "ckpt") in ([2], [2, 4])  # 4's save may be in flight
+    res = _train_cli(corpus, out, *every, "--resume", env=default, steps=8)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _trajectory(out) == _trajectory(ref)

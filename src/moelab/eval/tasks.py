@@ -4,8 +4,9 @@ A task is a JSON-lines file, one example per line, of either kind:
 
 - multiple choice: ``{"context": str, "choices": [str, ...], "answer": int}``: the model's
   log-likelihood of each choice after the context; ``acc`` is 1 when the right choice has the
-  highest, ``acc_norm`` when it has the highest per UTF-8 byte of the choice (lm-evaluation-harness's
-  normalisation, fair to choices of unequal length). Chance: the mean of 1 / choices.
+  highest, ``acc_norm`` when it has the highest per character of the choice (lm-evaluation-harness's
+  ``acc_norm``, fair to choices of unequal length), ``acc_bytes`` per UTF-8 byte of it (lm-eval's
+  ``acc_bytes``; the two differ where a choice holds characters beyond ASCII). Chance: the mean of 1 / choices.
 - a target continuation: ``{"context": str, "continuation": str}``: the bits per byte of the
   continuation after the context (``-sum log p / ln 2 / its UTF-8 bytes``); lower is better.
 
@@ -79,6 +80,11 @@ def _bytes(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+def _best(values: Sequence[float]) -> int:
+    """The index of the highest value, ties to the first (numpy's argmax, as lm-eval picks)."""
+    return max(range(len(values)), key=lambda j: (values[j], -j))
+
+
 def score(examples: Sequence[Example], loglik: Callable[[list[tuple[str, str]]], Sequence[float]]) -> dict:
     """A task's metrics from the log-likelihoods ``loglik`` gives (one call for every pair)."""
     pairs = []
@@ -87,7 +93,7 @@ def score(examples: Sequence[Example], loglik: Callable[[list[tuple[str, str]]],
     ll = list(loglik(pairs))
     if len(ll) != len(pairs):
         raise ValueError(f"loglik gave {len(ll)} values for {len(pairs)} pairs")
-    acc = acc_norm = chance = 0.0
+    acc = acc_norm = acc_bytes = chance = 0.0
     n_mc = 0
     nats = n_bytes = 0.0
     k = 0
@@ -95,11 +101,9 @@ def score(examples: Sequence[Example], loglik: Callable[[list[tuple[str, str]]],
         if ex.choices:
             got = ll[k : k + len(ex.choices)]
             k += len(ex.choices)
-            best = max(range(len(got)), key=lambda j: (got[j], -j))
-            per_byte = [g / _bytes(c) for g, c in zip(got, ex.choices, strict=True)]
-            best_norm = max(range(len(got)), key=lambda j: (per_byte[j], -j))
-            acc += best == ex.answer
-            acc_norm += best_norm == ex.answer
+            acc += _best(got) == ex.answer
+            acc_norm += _best([g / max(len(c), 1) for g, c in zip(got, ex.choices, strict=True)]) == ex.answer
+            acc_bytes += _best([g / _bytes(c) for g, c in zip(got, ex.choices, strict=True)]) == ex.answer
             chance += 1 / len(ex.choices)
             n_mc += 1
             nats -= got[ex.answer]
@@ -110,7 +114,8 @@ def score(examples: Sequence[Example], loglik: Callable[[list[tuple[str, str]]],
             n_bytes += _bytes(ex.continuation)
     out = {"examples": len(examples), "bpb": nats / math.log(2) / n_bytes}
     if n_mc:
-        out.update(acc=acc / n_mc, acc_norm=acc_norm / n_mc, chance=chance / n_mc, multiple_choice=n_mc)
+        out.update(acc=acc / n_mc, acc_norm=acc_norm / n_mc, acc_bytes=acc_bytes / n_mc, chance=chance / n_mc,
+                   multiple_choice=n_mc)  # fmt: skip
     return out
 
 

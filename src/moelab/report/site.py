@@ -158,7 +158,7 @@ def task_plots(ev: list[dict]) -> list[tuple[str, str]]:
         if "acc" in got[0]:
             fig, ax = _fig(f"Task {name}: accuracy by log-likelihood", xlabel="tokens", ylabel="accuracy")
             ax.plot(tokens, [g["acc"] for g in got], marker=".", label="acc")
-            ax.plot(tokens, [g["acc_norm"] for g in got], marker=".", ls="--", label="acc_norm (per byte)")
+            ax.plot(tokens, [g["acc_norm"] for g in got], marker=".", ls="--", label="acc_norm (per character)")
             ax.axhline(got[0]["chance"], color="0.4", ls=":", label=f"chance {got[0]['chance']:.3g}")
             ax.set_ylim(0, 1)
         else:

@@ -612,7 +612,7 @@ class _Job:
         return rec
 
     def tasks(self, m) -> dict:
-        """train.task_evals scored now: each task's acc, acc_norm, chance and bits per byte."""
+        """train.task_evals scored now: each task's acc, acc_norm, acc_bytes, chance and bits per byte."""
         from moelab.eval.tasks import model_loglik, score
 
         if not hasattr(self, "task_tok"):
@@ -620,7 +620,7 @@ class _Job:
 
             self.task_tok = load_saved(self.store.path)
         loglik = model_loglik(self.state["params"], self.state["model_state"], m, self.task_tok, batch=32)
-        keep = ("acc", "acc_norm", "chance", "bpb")
+        keep = ("acc", "acc_norm", "acc_bytes", "chance", "bpb")
         return {name: {k: v for k, v in score(ex, loglik).items() if k in keep} for name, ex in self.task_sets.items()}
 
     def save(self, done: int) -> None:
