@@ -9,7 +9,7 @@ HUGEPAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # the default run skips what is marked slow; -n is not used: 2 cores, JAX already uses both
 PYTEST := $(HUGEPAGES) $(PY) -m pytest -q
 
-.PHONY: demo test test-all test-ragged lint format bench docs clean
+.PHONY: demo test test-newest test-all test-ragged lint format bench docs clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,21 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow"
+
+# the export to transformers and the lm-eval bridge against the newest transformers the extras allow (their
+# upper bound), in a second venv: `make test` runs them at the lock's version, the range's lower bound
+TRANSFORMERS_NEWEST := 5.25.0
+NEWEST := .venv-newest
+$(NEWEST)/.installed: pyproject.toml
+	@test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q -e ".[harness]" "transformers==$(TRANSFORMERS_NEWEST)" "pytest==9.2.0"
+	@touch $@
+
+test-newest: $(NEWEST)/.installed
+	$(NEWEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(HUGEPAGES) $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider tests/test_export.py tests/test_harness.py \
+		tests/test_use.py tests/test_tokenizer.py tests/test_tasks.py
 
 # the slow tests include the Ray backend and the export to transformers, so this also installs the
 # ray and bench extras; then the model and training tests again with the MoE through ragged_dot

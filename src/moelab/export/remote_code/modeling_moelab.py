@@ -195,6 +195,10 @@ class MoelabLayer(nn.Module):
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
+# the output's field for the KV cache: ``cache`` from transformers 5.25, ``past_key_values`` before
+CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
 class MoelabPreTrainedModel(PreTrainedModel):
     config_class = MoelabConfig
     base_model_prefix = "model"
@@ -272,11 +276,16 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        cache: Cache | None = None,
         **kwargs,
     ):
         """Logits [b, s, vocab] (the last ``logits_to_keep`` positions if > 0). With ``use_cache`` (or a
-        ``past_key_values`` given) the keys and values are kept in a ``DynamicCache``, returned as
-        ``past_key_values``; ``generate()`` does this for every step."""
+        cache given) the keys and values are kept in a ``DynamicCache``, returned in the output;
+        ``generate()`` does this for every step. transformers up to 5.24 passes and reads the cache as
+        ``past_key_values``, 5.25 on as ``cache``: both are taken, and the output names it as the
+        installed version's ``CausalLMOutputWithPast`` declares."""
+        if past_key_values is None:
+            past_key_values = cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         cache = past_key_values if use_cache is not False else None
@@ -287,4 +296,4 @@ class MoelabForCausalLM(MoelabPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
