@@ -144,3 +144,78 @@ def test_the_map_exponent_lies_between_the_prior_and_the_rungs_as_their_noise_an
     assert abs(tight["alpha"] - 0.21) < 0.01  # a sure prior holds
     assert abs(loose["alpha"] - 0.30) < 0.04  # a vague one lets the rungs speak
     assert tight["alpha"] < mid["alpha"] < loose["alpha"]
+
+
+# ------------------------------------------------------------------ the production band's coverage (issue 39)
+
+RUNG_SIZES = np.array([1.0, 1.9, 3.1, 4.6]) * 1e11  # four rungs, as the demo's ladder
+TARGET_12 = 4.6e11 * 12.8  # the demo's extrapolation: 12.8x the top rung
+BAND_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def misspecified_world(k: int):
+    """Corpus ``k``'s truth: E + A c^-a + B c^-b, two power laws (a law of one power, the forecast's, cannot
+    take it exactly), each corpus its own exponents and E, the rate of learning along the run its own."""
+    rng = np.random.default_rng([39, k])
+    e, a, b = rng.uniform(1.0, 2.5), rng.uniform(0.12, 0.4), rng.uniform(0.5, 0.9)
+    amp_a, amp_b, lag = rng.uniform(1.5, 3.0), rng.uniform(0.3, 1.0), rng.uniform(0.05, 0.25)
+
+    def law(c, f):
+        return (e + amp_a * (c / C_REF) ** -a + amp_b * (c / C_REF) ** -b) * (1 + lag * (1 - f) ** 2)
+
+    return law
+
+
+def noisy_ladder(law, rng, offset_sd=0.008, point_sd=0.004) -> tuple[list[dict], dict]:
+    """The rungs (two seeds each, three on the top rung) and the target, each run off by an offset of its
+    own (a seed) and noisy from point to point."""
+    def run(c, name):
+        off = rng.normal(0, offset_sd)
+        fr = {f: float(law(c * f, f) * math.exp(off + rng.normal(0, point_sd))) for f in BAND_FRACTIONS}
+        return {"dir": name, "name": name, "steps": 100, "flops": float(c), "fractions": fr}
+
+    rungs = [run(c, f"r{i}-{s}") for i, c in enumerate(RUNG_SIZES) for s in range(3 if i == 3 else 2)]
+    return rungs, run(TARGET_12, "target")
+
+
+def production_band_coverage(scale: float = 1.0, corpora: int = 20, draws: int = 3) -> dict:
+    """The band `law: prior-alpha` forecasts carry, on ladders of a law it does not contain: the prior
+    fitted leave-one-corpus-out on the other synthetic corpora (as benchmarks/forecast_calibration.py
+    fits the shipped one) from one draw of each, each corpus's target forecast from the rungs of its
+    other draws (seeds and noise of their own); ``scale`` widens the band
+    around the forecast (1: as shipped)."""
+    rng = np.random.default_rng(0)
+    worlds = [misspecified_world(k) for k in range(corpora)]
+    ladders = [[noisy_ladder(w, rng) for _ in range(draws)] for w in worlds]
+    params = {f"c{k}": P.corpus_params(*ladders[k][0]) for k in range(corpora)}  # what each corpus teaches
+    inside, finals, half = [], [], []
+    for k in range(corpora):
+        prior = P.fit_prior(params, "synthetic", leave_out=f"c{k}")
+        for rungs, target in ladders[k][1:]:  # other draws than the one the prior learnt from
+            fc = P.forecast_prior(rungs, TARGET_12, 100, prior, "prior-alpha", n_boot=200, seed=k)
+            for f, mid, lo, hi in zip(fc["fractions"], fc["loss"], fc["low"], fc["high"], strict=True):
+                lo, hi = mid + scale * (lo - mid), mid + scale * (hi - mid)
+                inside.append(lo <= target["fractions"][f] <= hi)
+            finals.append(fc["loss"][-1] / target["fractions"][1.0] - 1)
+            half.append(scale * (fc["high"][-1] - fc["low"][-1]) / 2 / fc["loss"][-1])
+    return {"coverage": float(np.mean(inside)), "final_error_rms": float(np.sqrt(np.mean(np.square(finals)))),
+            "final_half_width": float(np.mean(half)), "forecasts": len(finals)}  # fmt: skip
+
+
+def test_the_production_band_covers_a_law_it_does_not_contain():
+    """The band real forecasts use (law prior-alpha: the exponent drawn from the prior's spread across
+    corpora, the sizes resampled, the target's seed noise), with the prior fitted leave-one-corpus-out,
+    on ladders whose truth is two power laws: it holds the targets' points as often as it says, and is
+    as wide as its forecasts' errors call for, by the criteria the joint band's synthetic check uses
+    (tests/test_forecast.py: 75-98% inside, a final half-width 0.5-2.5x of 1.645 x the final errors' rms).
+    Measured when it was written: 97.5% of 160 points inside, a final half-width of 11.8% against final
+    errors of 5.9% rms (on the real corpora the same band held 82%: benchmarks/results/forecast_calibration.json).
+    The same check fails for the band narrowed and widened fivefold."""
+    from test_forecast import _band_problems
+
+    res = production_band_coverage()
+    assert res["forecasts"] == 40
+    assert _band_problems(res) == [], res
+    for scale in (0.2, 5.0):
+        broken = production_band_coverage(scale)
+        assert _band_problems(broken), (scale, broken)
