@@ -3,7 +3,12 @@
 Every ```bash block of the README and of docs/ runs in a fresh folder, a page's blocks in order (a
 block titled ``title="NAME"`` is written to NAME first, so a page can show a config and then use it).
 ``<!-- docs: slow -->`` before a block runs it only with the slow tests; ``<!-- docs: skip (why) -->``
-never (a cluster, a GPU). The conventions are in docs/index.md.
+never (a cluster, a GPU). A shown output is compared: ``<!-- docs: output -->`` before a ```text block
+says it is what the bash block before it printed, and each of its lines must appear, in order, in
+what that block prints now (``...`` stands for anything; a whole number matches as shown, a decimal
+within 5% or one unit of its last shown digit, so losses and ratios may move a little). Every other
+```text block says what it is instead (``<!-- docs: shown (a layout, not an output) -->``). The
+conventions are in docs/index.md.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
 SHELLS = {"sh", "shell", "console", "bash", "zsh"}
-MARK = re.compile(r"<!--\s*docs:\s*(slow|skip)\b(.*?)-->")
+MARK = re.compile(r"<!--\s*docs:\s*(slow|skip|output|shown)\b(.*?)-->")
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w.])")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)(.*)$")
 TITLE = re.compile(r'title="([^"]+)"')
 
@@ -33,7 +39,7 @@ class Block:
     line: int
     lang: str
     title: str
-    mark: str  # "", "slow" or "skip"
+    mark: str  # "", "slow" or "skip"; for a text block "output" (compared) or "shown" (not an output)
     reason: str
     code: str
 
@@ -80,29 +86,85 @@ def runnable(path: Path, slow: bool) -> list[Block]:
     return [b for b in blocks(path) if b.lang == "bash" and b.mark != "skip" and (slow or b.mark != "slow")]
 
 
+def _line_pattern(shown: str) -> tuple[re.Pattern, list[str]]:
+    """A shown output line as a pattern: its words as written (any run of spaces for spaces, ``...`` for
+    anything), each number a group; and the numbers as shown."""
+    parts, numbers, pos = [], [], 0
+
+    def literal(text: str) -> str:
+        return ".*?".join(r"\s+".join(re.escape(w) for w in piece.split(" ")) for piece in text.split("..."))
+
+    for m in NUMBER.finditer(shown):
+        parts += [literal(shown[pos : m.start()]), r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"]
+        numbers.append(m.group())
+        pos = m.end()
+    parts.append(literal(shown[pos:]))
+    return re.compile("".join(parts)), numbers
+
+
+def _close(shown: str, got: str) -> bool:
+    """A whole number as shown; a decimal within 5% or one unit of its last shown digit."""
+    want, have = float(shown), float(got)
+    if not re.search(r"[.eE]", shown):
+        return have == want
+    digits = len(re.split(r"[eE]", shown)[0].partition(".")[2])
+    return abs(have - want) <= max(0.05 * abs(want), 10.0**-digits)
+
+
+def output_mismatch(shown: str, printed: str) -> str | None:
+    """The first shown line (a ``$ command`` line aside) that does not appear, in order, in ``printed``."""
+    lines = [" ".join(x.split()) for x in printed.splitlines() if x.strip()]
+    at = 0
+    for raw in shown.splitlines():
+        text = " ".join(raw.split())
+        if not text or text == "..." or text.startswith("$ "):
+            continue
+        pattern, numbers = _line_pattern(text)
+        for i in range(at, len(lines)):
+            m = pattern.fullmatch(lines[i])
+            if m and all(_close(n, g) for n, g in zip(numbers, m.groups(), strict=True)):
+                at = i + 1
+                break
+        else:
+            return text
+    return None
+
+
 def run_page(path: Path, folder: Path, slow: bool) -> None:
-    """Run a page's blocks in order in ``folder``; fail naming the block, its line and its output."""
+    """Run a page's blocks in order in ``folder``; fail naming the block, its line and its output, or a
+    shown output (``docs: output``) that is not what the block before it printed."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MOELAB_PROGRESS_EVERY": "1000"}
     env.pop("COLUMNS", None)
+    printed = None  # what the last bash block printed (None: it did not run here)
     for b in blocks(path):
         if b.title:
             target = folder / b.title
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(b.code)
-        if b.lang != "bash" or b.mark == "skip" or (b.mark == "slow" and not slow):
+        if b.lang == "text" and b.mark == "output" and printed is not None:
+            missing = output_mismatch(b.code, printed)
+            assert missing is None, (
+                f"{b.page}:{b.line}: the shown output is not what the block before it prints now; this line "
+                f"is not in it:\n{missing}\n--- printed\n{printed[-3000:]}"
+            )
+        if b.lang != "bash":
+            continue
+        printed = None
+        if b.mark == "skip" or (b.mark == "slow" and not slow):
             continue
         proc = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", b.code],
             cwd=folder,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one stream, in the order a terminal shows it
             text=True,
             timeout=1800 if slow else 120,
         )
         assert proc.returncode == 0, (
-            f"{b.page}:{b.line}: the block exited {proc.returncode}\n{b.code}\n"
-            f"--- stdout\n{proc.stdout[-2000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+            f"{b.page}:{b.line}: the block exited {proc.returncode}\n{b.code}\n--- output\n{proc.stdout[-4000:]}"
         )
+        printed = proc.stdout
 
 
 def test_blocks_parse_marks_and_titles(tmp_path):
@@ -140,6 +202,37 @@ def test_every_shell_block_is_bash_and_every_skip_says_why():
             assert b.lang not in SHELLS - {"bash"}, f"{b.page}:{b.line}: shell blocks are ```bash (run by this test)"
             if b.mark == "skip":
                 assert b.reason, f"{b.page}:{b.line}: <!-- docs: skip (why) --> needs its reason"
+
+
+def test_a_shown_output_is_compared_with_what_the_block_prints(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```bash\nprintf 'loss 4.1234 at step 60\\nrun abc12 took 10.2 s\\nratio 0.957\\n'\n```\n\n"
+        "<!-- docs: output -->\n```text\nloss 4.12 at step 60\nrun abc12 took ... s\n```\n"
+    )
+    run_page(page, tmp_path, slow=False)  # numbers as shown, within 5%; ... for anything
+    assert output_mismatch("ratio 0.957", "ratio 0.93") is None  # 2.8% off: a number may move a little
+    assert output_mismatch("ratio 0.957", "ratio 0.85") == "ratio 0.957"  # 11% off: not what it prints
+    assert output_mismatch("a\nb", "b\na") == "b"  # in order
+    assert output_mismatch("run abc12", "run abc13") == "run abc12"  # words as written
+    page.write_text(page.read_text().replace("4.12 at step 60", "4.12 at step 61"))
+    with pytest.raises(AssertionError, match=r"p.md:6: the shown output is not what the block before it prints"):
+        run_page(page, tmp_path, slow=False)
+
+
+def test_every_text_block_is_a_compared_output_or_says_what_it_is():
+    """A ```text block in the README or a guide is the output of the block before it (compared) or says
+    what else it is; the reference pages are generated from the code and checked apart."""
+    for path in pages():
+        if "reference" in path.parts:
+            continue
+        for b in blocks(path):
+            if b.lang == "text":
+                assert b.mark in ("output", "shown"), (
+                    f"{b.page}:{b.line}: mark a shown output <!-- docs: output --> (compared with what the "
+                    "block before it prints) or say what it is: <!-- docs: shown (what) -->"
+                )
+                assert b.mark == "output" or b.reason, f"{b.page}:{b.line}: <!-- docs: shown (what) --> says what"
 
 
 FAST = [p for p in pages() if runnable(p, slow=False)]
