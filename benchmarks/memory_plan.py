@@ -35,14 +35,14 @@ def main() -> int:
     n = args.data * args.expert
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     from moelab.config import load_config
-    from moelab.train import memory
+    from moelab.train import memory, memory_check
 
     out = {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename, "cpus": os.cpu_count()}
     hero = load_config("marin-535b-a23b", HERO_WIDTH)
     t0 = time.perf_counter()
     # the whole batch of the check is micro-batch x devices (gradient accumulation is checked on tiny shapes)
     small_batch = load_config(hero, [f"train.batch_size={args.micro_batch * n}"])
-    check = memory.compiler_check(small_batch, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
+    check = memory_check.compiler_check(small_batch, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
     check["seconds"] = time.perf_counter() - t0
     check["mesh"] = {"data": args.data, "expert": args.expert, "micro_batch": args.micro_batch}
     out["check"] = check

@@ -59,7 +59,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             from moelab.parallel.mesh import request_devices
 
             request_devices(n)
-    from moelab.train import memory
+    from moelab.train import memory, memory_check
 
     cfg = load_config(args.config, args.overrides)
     from moelab.errors import ConfigError
@@ -74,7 +74,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         host_memory_gb=args.host_memory,
     )  # fmt: skip
     if args.check:
-        out["check"] = memory.compiler_check(cfg, data, expert, micro_batch=out["micro_batch"], progress=not args.json,
+        out["check"] = memory_check.compiler_check(cfg, data, expert, micro_batch=out["micro_batch"], progress=not args.json,
                                              device=args.device)  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=1))

@@ -1,5 +1,5 @@
-"""Per-device memory of a train step on a ``data`` x ``expert`` mesh: planned from the config, and
-checked against the compiler (``compiler_check``).
+"""Per-device memory of a train step on a ``data`` x ``expert`` mesh, planned from the config; checked
+against the compiler by ``moelab.train.memory_check``.
 
 Rows, in bytes per device (``plan``):
 
@@ -53,7 +53,7 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _abstract_state(cfg: Config):
+def abstract_state(cfg: Config):
     """(optimiser, the train state's abstract shapes): nothing is allocated."""
     import jax
 
@@ -192,7 +192,7 @@ def _head_residuals(cfg: Config, b: int) -> int:
     return residual_bytes(f, hidden, head)
 
 
-def _remat_blocks(m) -> tuple[int, int, int]:
+def remat_blocks(m) -> tuple[int, int, int]:
     """How ``model.remat: layer`` runs (model/transformer.py): (layers per scanned block, scanned
     layers, layers rematerialised one by one)."""
     from moelab.model.transformer import scan_blocks
@@ -241,14 +241,14 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
     per_layer = [res[(m.is_global(i), m.layer_kv_heads(i))] for i in range(m.n_layers)]
     saved = 0
     if m.remat == "layer":
-        period, n_full, single = _remat_blocks(m)
+        period, n_full, single = remat_blocks(m)
         saved = (n_full // period + single) * tokens * m.d_model * dt  # each block's input
         block = max(sum(per_layer[j : j + period]) for j in range(0, max(n_full, 1), period)) if n_full else 0
         recomputed = max(block, max(per_layer))
     elif m.remat == "each_layer":
         # each period's input kept, as with layer; its recomputation keeps its layers' inputs and
         # recomputes them one at a time
-        period, n_full, single = _remat_blocks(m)
+        period, n_full, single = remat_blocks(m)
         saved = (n_full // period + single) * tokens * m.d_model * dt
         saved += (period if n_full else 1) * tokens * m.d_model * dt
         recomputed = max(per_layer)
@@ -415,7 +415,7 @@ def plan(
     memory = device_memory_gb if device_memory_gb is not None else (dev.memory_gb if dev else None)
     host_memory = host_memory_gb if host_memory_gb is not None else (dev.host_gb if dev else None)
     sizes = {"data": data, "expert": expert}
-    _, state = _abstract_state(cfg)
+    _, state = abstract_state(cfg)
     fixed, host = _fixed(cfg, state, sizes, fsdp, whole, n_micro)
     per = _per_micro_batch(cfg, sizes, fsdp, micro_batch)
     host["saved_inputs"] = per.pop(HOST_INPUTS)
@@ -519,7 +519,7 @@ def _gathered(cfg: Config, state, sizes: dict[str, int], fsdp: bool) -> int:
         return copy
     compute, fp32 = _layer_weight_bytes(cfg, sizes)
     if m.remat == "layer":
-        period, n_full, _ = _remat_blocks(m)
+        period, n_full, _ = remat_blocks(m)
         live = (period if n_full else 1) * compute
     elif m.remat == "each_layer":
         live = compute
@@ -544,113 +544,6 @@ def largest_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, fixed: d
     while total(b + 1) <= memory:
         b += 1
     return b
-
-
-def compiled_bytes(cfg: Config, data: int, expert: int, micro_batch: int, fsdp: bool) -> dict:
-    """XLA's per-device memory analysis of ``cfg``'s train step, compiled ahead of time for a
-    ``data`` x ``expert`` mesh of this process's devices on abstract inputs (nothing is allocated)."""
-    import jax
-    import numpy as np
-
-    from moelab.train import optim
-    from moelab.train.step import make_train_step
-
-    n_dev = data * expert
-    if jax.device_count() < n_dev:
-        raise UsageError(
-            f"--check: the mesh needs {n_dev} devices and JAX has {jax.device_count()}; "
-            f"on CPU run with XLA_FLAGS=--xla_force_host_platform_device_count={n_dev}"
-        )
-    mesh = pmesh.auto_mesh(data, expert, jax.devices()[:n_dev])
-    opt, state = _abstract_state(cfg)
-    shardings = pmesh.tree_shardings(state, mesh, fsdp)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-    m = cfg.model
-    batch = jax.ShapeDtypeStruct((micro_batch * n_dev, m.seq_len + 1), np.int32, sharding=pmesh.batch_sharding(mesh))
-    pmesh.set_active(mesh, fsdp)
-    try:
-        step = make_train_step(cfg, opt, optim.hyper(cfg), shardings)
-        compiled = step.lower(abstract, batch, np.int32(0), np.bool_(False), None).compile()
-    finally:
-        pmesh.set_active(None)
-    mem = compiled.memory_analysis()
-    out = {
-        "arguments": int(mem.argument_size_in_bytes),
-        "outputs": int(mem.output_size_in_bytes),
-        "aliased": int(mem.alias_size_in_bytes),
-        "temporaries": int(mem.temp_size_in_bytes),
-    }
-    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
-    return out
-
-
-def check_layers(cfg: Config) -> tuple[int, int]:
-    """The depths compiled by the check: 1 and 2 layers, or two and three rematerialised blocks
-    when ``remat: layer`` scans blocks (fewer layers would be rematerialised one by one, which
-    XLA:CPU schedules away)."""
-    if cfg.model.remat != "none":
-        period, n_full, _ = _remat_blocks(cfg.model)
-        if n_full:
-            return 2 * period, 3 * period
-    return 1, 2
-
-
-def compiler_check(
-    cfg: Config, data: int, expert: int, *, micro_batch: int | None = None, fsdp: bool | None = None,
-    layers: tuple[int, int] | None = None, progress: bool = False, device: str | None = None,
-) -> dict:  # fmt: skip
-    """The plan against the compiler: the train step of copies of ``cfg`` with ``layers`` layers
-    (full width) compiled for the mesh, XLA's per-device totals extended linearly to the config's
-    depth, beside the plan's total without its margin. ``ratio`` = plan / compiler.
-
-    Both sides are taken in fp32: XLA:CPU computes bf16 through fp32 buffers, so a bf16 step
-    compiled here would not show the memory a GPU or TPU gives it."""
-    from moelab.progress import say
-
-    n_dev = data * expert
-    fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
-    dev = devices.lookup(device) if device else None
-    target, attention = for_target(cfg, dev)
-    dtype = target.model.dtype
-    cfg = load_config(target, ["model.compute_dtype=float32"])
-    layers = layers or check_layers(cfg)
-    full = plan(cfg, data, expert, micro_batch=micro_batch, fsdp=fsdp, max_micro_batch=False)
-    b, n_micro = full["micro_batch"], full["micro_batches"]
-    compiled = {}
-    for n in layers:
-        say(f"compiling the train step with {n} layer(s) for a {data} x {expert} mesh (abstract inputs)", progress)
-        small = load_config(cfg, [f"model.n_layers={n}", f"train.batch_size={b * n_micro * n_dev}",
-                                  f"train.micro_batch={b * n_dev if n_micro > 1 else 0}"])  # fmt: skip
-        compiled[n] = compiled_bytes(small, data, expert, b * n_micro, fsdp)
-    (n1, n2), L = layers, cfg.model.n_layers
-    t1, t2 = compiled[n1]["total"], compiled[n2]["total"]
-    scaled = t1 + (t2 - t1) * (L - n1) / (n2 - n1)
-    # XLA:CPU has one memory: offloaded buffers are its arguments and temporaries like any other, and
-    # the moves between memories compile to nothing; so the plan's device and host rows are compared
-    # together, without the optimizer state moved in for the update
-    together = counted_bytes({**full["rows"], UPDATE_ONLY: 0}) + full["host_total"]
-    unconfirmed = []
-    if dtype != "float32":
-        unconfirmed.append(f"{dtype}: XLA:CPU computes it through fp32 buffers, so both sides are taken in fp32")
-    if full["host_total"]:
-        unconfirmed.append("device and host apart (train.offload): XLA:CPU has one memory, so their sum is compared; "
-                           "the placement itself is read from the compiled HLO (tests/test_offload.py)")  # fmt: skip
-        if full["rows"].get(UPDATE_ONLY):
-            unconfirmed.append("the optimizer state moved in for the update: no copy is made on CPU")
-    if attention.startswith("fused"):
-        unconfirmed.append("the fused cuDNN attention: cuDNN cannot compile on CPU; moelab's flash path, which keeps "
-                           "the same tensors, is compiled in its place")  # fmt: skip
-    return {
-        "compute_dtype": "float32" + ("" if dtype == "float32" else f" (the config's {dtype}: see above)"),
-        "layers_compiled": list(layers),
-        "compiled": {str(n): v for n, v in compiled.items()},
-        "compiler_total": int(scaled),
-        "plan_total": together,
-        "ratio": together / scaled,
-        "within_15pct": abs(together / scaled - 1) <= 0.15,
-        "global_dispatch": global_dispatch(cfg, n_dev, expert, b),
-        "unconfirmed": unconfirmed,
-    }
 
 
 MAX_SIMULATED_DEVICES = 1024  # more simulated CPU devices than this and XLA takes minutes to start, or hangs
@@ -727,43 +620,3 @@ def _fit_check(cfg: Config) -> None:
     )
 
 
-HOST_SPACE = "S(5)"  # XLA's memory space of host memory in a layout (pinned_host)
-
-
-def _top_level(text: str) -> list[str]:
-    """``text`` split at the commas outside any brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    parts.append(text[start:].strip())
-    return [p for p in parts if p]
-
-
-def host_buffers(hlo_text: str) -> tuple[list[bool], list[bool]]:
-    """Which parameters and results of a compiled program XLA keeps in host memory, read from the
-    memory space of each entry of the HLO module's ``entry_computation_layout`` (flattened in JAX's
-    argument and output order)."""
-    key = "entry_computation_layout={"
-    start = hlo_text.index(key) + len(key)
-    depth, end = 1, start
-    while depth:
-        depth += {"{": 1, "}": -1}.get(hlo_text[end], 0)
-        end += 1
-    layout = hlo_text[start : end - 1]
-    args, outs = layout.split(")->", 1)
-
-    def flags(part: str) -> list[bool]:
-        part = part.strip()
-        if part.startswith("("):
-            part = part[1:]
-        if part.endswith(")"):
-            part = part[:-1]
-        return [HOST_SPACE in p for p in _top_level(part)]
-
-    return flags(args), flags(outs)
