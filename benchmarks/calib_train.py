@@ -82,7 +82,10 @@ def main() -> None:
         try:
             train(cfg, out, resume=True, progress=False)
         except Exception as exc:  # one corpus that cannot be read stops that corpus, not the others
-            print(f"[{i + 1}/{len(todo)}] {corpus}/{name}: FAILED ({type(exc).__name__}: {exc}); the rest of {corpus} skipped", flush=True)
+            print(
+                f"[{i + 1}/{len(todo)}] {corpus}/{name}: FAILED ({type(exc).__name__}: {exc}); the rest of {corpus} skipped",
+                flush=True,
+            )
             failed.add(corpus)
             continue
         print(f"[{i + 1}/{len(todo)}] {corpus}/{name}: {time.time() - t0:.0f} s", flush=True)

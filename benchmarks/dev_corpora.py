@@ -23,8 +23,10 @@ CORPORA: dict[str, object] = {
         "man-admin": [f"/usr/share/man/man{k}/*.gz" for k in range(4, 9)],
     },
     "vim": {"vim-script": ["/usr/share/vim/**/*.vim"], "vim-doc": ["/usr/share/vim/**/doc/*.txt"]},
-    "nodejs": {"node-code": [f"/usr/lib/node_modules/**/*.{x}" for x in ("js", "cjs", "mjs")],
-               "node-docs": ["/usr/lib/node_modules/**/*.md"]},
+    "nodejs": {
+        "node-code": [f"/usr/lib/node_modules/**/*.{x}" for x in ("js", "cjs", "mjs")],
+        "node-docs": ["/usr/lib/node_modules/**/*.md"],
+    },
 }
 
 # kept aside: never fitted into the prior nor used to choose anything; forecast once, with the prior
@@ -43,8 +45,11 @@ ALL = {**CORPORA, **KEPT_ASIDE}
 # packages' domain may hold 16 MB (the recipe's rule: the target reads under one epoch of every domain).
 # The node modules hold 9 MB of JavaScript and markdown in all: their target repeats its data (about
 # 1.4 epochs), so that corpus is forecast but not fitted into the prior (forecast_calibration.py).
-EXTRA = {"sitepkgs": ["data.bad_records=skip", "data.max_bytes_per_domain=16000000"], "vim": ["data.bad_records=skip"],
-         "debdocs": ["data.bad_records=skip"]}  # vim ships keymaps in latin1, for one
+EXTRA = {
+    "sitepkgs": ["data.bad_records=skip", "data.max_bytes_per_domain=16000000"],
+    "vim": ["data.bad_records=skip"],
+    "debdocs": ["data.bad_records=skip"],
+}  # vim ships keymaps in latin1, for one
 
 
 def sources_override(corpus: str) -> list[str]:

@@ -156,14 +156,18 @@ def main() -> None:
         p = corpus_params(rungs, runs[TARGET])
         i = p["fractions"].index(1.0)
         ep = target_epochs(runs[TARGET])
-        log(f"{c}: the prior's view at the end: alpha {p['alpha'][i]:.3f}, E/top {p['e_share'][i]:.3f}; "
-            f"the target reads {ep:.2f} epochs")
+        log(
+            f"{c}: the prior's view at the end: alpha {p['alpha'][i]:.3f}, E/top {p['e_share'][i]:.3f}; "
+            f"the target reads {ep:.2f} epochs"
+        )
         if ep > 1.0:  # a target that repeats its data follows another law: forecast, never fitted into the prior
             repeats[c] = ep
         else:
             params[c] = p
     if repeats:
-        log(f"not in the prior (the target repeats its data): {', '.join(f'{c} ({e:.2f} epochs)' for c, e in repeats.items())}")
+        log(
+            f"not in the prior (the target repeats its data): {', '.join(f'{c} ({e:.2f} epochs)' for c, e in repeats.items())}"
+        )
 
     results = {c: {} for c in curves}
     forecasts = []  # real forecasts, for the band's coverage
@@ -223,7 +227,9 @@ def main() -> None:
                     continue
                 o = one(rungs, weights, truth, prior, "auto")
                 finals.append(o["curve"][-1]["predicted"])
-                by_law = {law: one(rungs, weights, truth, prior, law, n_boot=1)["curve"][-1]["predicted"] for law in LAWS}
+                by_law = {
+                    law: one(rungs, weights, truth, prior, law, n_boot=1)["curve"][-1]["predicted"] for law in LAWS
+                }
                 rows.append({"seeds": list(seeds), "data_order": order, "law": o["law"], "final": finals[-1],
                              "final_error": o["final_error"], "mean_abs_past_20": o["mean_abs_past_20"],
                              "final_by_law": by_law})  # fmt: skip
@@ -241,8 +247,10 @@ def main() -> None:
                 "late_inside": float(np.mean([f["late_inside"] for f in forecasts])) if forecasts else None,
                 "target_band_halfwidth": [max(abs(results[c][design]["auto"]["final_band"][0]),
                                               abs(results[c][design]["auto"]["final_band"][1])) for c in curves]}  # fmt: skip
-    log(f"coverage: {coverage['final_inside']:.0%} of {len(forecasts)} final points inside the 90% band, "
-        f"{coverage['late_inside']:.0%} of the points past 20%")
+    log(
+        f"coverage: {coverage['final_inside']:.0%} of {len(forecasts)} final points inside the 90% band, "
+        f"{coverage['late_inside']:.0%} of the points past 20%"
+    )
     prior_all = fit_prior(params, key, recipe=recipe_fields(lad), created=str(date.today()))
     kept_aside = {}
     for c, runs in aside.items():  # the design and the law as chosen, the prior from every development corpus
@@ -251,8 +259,10 @@ def main() -> None:
             continue
         a = one(rungs, weights, runs[TARGET], prior_all, "auto")
         kept_aside[c] = {**a, "target_epochs": target_epochs(runs[TARGET])}
-        log(f"kept aside {c}: {a['law']} mean {a['mean_abs_past_20']:.2%} final {a['final_error']:+.2%} "
-            f"band {a['final_band'][0]:+.1%}/{a['final_band'][1]:+.1%}")
+        log(
+            f"kept aside {c}: {a['law']} mean {a['mean_abs_past_20']:.2%} final {a['final_error']:+.2%} "
+            f"band {a['final_band'][0]:+.1%}/{a['final_band'][1]:+.1%}"
+        )
     if not args.no_write_prior:
         path = save_prior(prior_all, prior_path(key))
         log(f"the prior from all {len(params)} corpora -> {path}")
@@ -298,10 +308,12 @@ def figure(out: dict, path: Path) -> None:
         lo = min(p["actual"] for p in a["curve"] if p["fraction"] >= 0.2)
         hi = max(p["high"] for p in a["curve"] if p["fraction"] >= 0.2)
         ax.set_ylim(0.97 * lo, 1.01 * hi)
-    for ax in list(axes.flat)[len(corpora):]:
+    for ax in list(axes.flat)[len(corpora) :]:
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"The d104 target forecast from {out['design']} with the prior fitted on the other corpora", fontsize=10)
+    fig.suptitle(
+        f"The d104 target forecast from {out['design']} with the prior fitted on the other corpora", fontsize=10
+    )
     fig.supxlabel("fraction of the run")
     fig.supylabel("held-out loss, mix (nats / token)")
     fig.savefig(path, bbox_inches="tight")
@@ -338,8 +350,12 @@ def manual_tables(out: dict) -> str:
             cells.append(f"{np.mean([r['mean_abs_past_20'] for r in rs]):.2%}; {max(abs(r['final_error']) for r in rs):.2%}; "
                          f"+-{np.mean([max(-r['final_band'][0], r['final_band'][1]) for r in rs]):.1%}")  # fmt: skip
         lines.append(f"| {dz} | " + " | ".join(cells) + " |")
-    lines += ["", "Stability on the stdlib (the demo's widths, two seeds on every rung; the final forecast's sd, target "
-              "<= 0.5%; with the law forward chaining chose, then with each law held):", ""]
+    lines += [
+        "",
+        "Stability on the stdlib (the demo's widths, two seeds on every rung; the final forecast's sd, target "
+        "<= 0.5%; with the law forward chaining chose, then with each law held):",
+        "",
+    ]
     for kind, st in out["stability"].items():
         finals = ", ".join(f"{r['final']:.4f} ({r['law']})" for r in st["ladders"])
         sd = "-" if st["final_sd"] is None else f"{st['final_sd']:.2%}"
@@ -360,7 +376,9 @@ def manual_tables(out: dict) -> str:
     i = pr["fractions"].index(1.0)
     for c, ep in out.get("repeats", {}).items():
         lines.append(f"| {c} | not in the prior: its target reads {ep:.2f} epochs of its data | |")
-    lines.append(f"| **prior** | **{pr['alpha'][i]:.3f} +- {pr['alpha_sd'][i]:.3f}** | **{pr['e_share'][i]:.3f} +- {pr['e_share_sd'][i]:.3f}** |")
+    lines.append(
+        f"| **prior** | **{pr['alpha'][i]:.3f} +- {pr['alpha_sd'][i]:.3f}** | **{pr['e_share'][i]:.3f} +- {pr['e_share_sd'][i]:.3f}** |"
+    )
     lines += ["", "![Each corpus's target forecast against its curve](../forecast_corpora.svg)"]
     return "\n".join(lines)
 

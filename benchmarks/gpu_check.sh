@@ -33,7 +33,7 @@ timeout 90 "$PY" - > "$OUT/offload.txt" 2>&1 <<'PYEOF'
 import jax, numpy as np
 from moelab.config import load_config, resolve_dtype
 from moelab.train import optim
-from moelab.train.memory_check import host_buffers
+from moelab.plan.memory_check import host_buffers
 from moelab.train.step import init_train_state, make_train_step, offload_state
 for off in ("none", "all"):
     cfg = resolve_dtype(load_config("tiny", ["model.remat=each_layer", f"train.offload={off}"]))

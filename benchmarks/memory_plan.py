@@ -3,7 +3,7 @@
 1. Compiler check: the hero's width (d 6144, 384 experts, top 8, vocab 128,256, seq 4096) with 1
    and 2 layers, compiled ahead of time for 64 simulated CPU devices (data 2 x expert 32, FSDP on,
    2 sequences per device) on abstract inputs; XLA's per-device totals extended to the hero's 48
-   layers beside the plan's (both in fp32: see train/memory.py). The prediction, committed
+   layers beside the plan's (both in fp32: see plan/memory.py). The prediction, committed
    before the first run: benchmarks/results/memory_plan_prediction.md.
 2. Plans (no compile): the hero on Marin's mesh (11 racks x EP64 = 704 GB200s, 16 sequences per
    GPU) with today's rules and with FSDP, with and without remat; a ladder rung on one 8-GPU node.
@@ -35,14 +35,16 @@ def main() -> int:
     n = args.data * args.expert
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     from moelab.config import load_config
-    from moelab.train import memory, memory_check
+    from moelab.plan import memory, memory_check
 
     out = {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename, "cpus": os.cpu_count()}
     hero = load_config("marin-535b-a23b", HERO_WIDTH)
     t0 = time.perf_counter()
     # the whole batch of the check is micro-batch x devices (gradient accumulation is checked on tiny shapes)
     small_batch = load_config(hero, [f"train.batch_size={args.micro_batch * n}"])
-    check = memory_check.compiler_check(small_batch, args.data, args.expert, micro_batch=args.micro_batch, progress=True)
+    check = memory_check.compiler_check(
+        small_batch, args.data, args.expert, micro_batch=args.micro_batch, progress=True
+    )
     check["seconds"] = time.perf_counter() - t0
     check["mesh"] = {"data": args.data, "expert": args.expert, "micro_batch": args.micro_batch}
     out["check"] = check

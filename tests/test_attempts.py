@@ -84,9 +84,7 @@ def _check_rerolled(prefix: Path, exp, tmp_path: Path, capsys, why: str) -> None
         assert bare_confirmed(text) == [], (name, bare_confirmed(text))
 
 
-def test_a_reroll_by_a_versioned_field_is_a_second_attempt_and_the_first_verdict_stays(
-    tmp_path, draws, capsys
-):
+def test_a_reroll_by_a_versioned_field_is_a_second_attempt_and_the_first_verdict_stays(tmp_path, draws, capsys):
     exp_path, prefix = tmp_path / "exp38_reroll.py", tmp_path / "lab"
     exp_path.write_text(REROLL.replace("SEED", "0"))
     first = Runner(load_experiment(exp_path), prefix, **QUIET).run()
@@ -191,9 +189,7 @@ def test_a_new_target_forecast_from_finished_rungs_is_pre_registered_and_its_cop
     assert "exp38_new" in v["why"]
 
 
-def test_a_step_already_running_when_the_prediction_is_registered_makes_the_verdict_post_hoc(
-    tmp_path, monkeypatch
-):
+def test_a_step_already_running_when_the_prediction_is_registered_makes_the_verdict_post_hoc(tmp_path, monkeypatch):
     prefix, gate = tmp_path / "lab", tmp_path / "gate"
     monkeypatch.setenv("LAB_GATE", str(gate))
     first = load_experiment(ladder(tmp_path / "exp38_first.py", "first"))

@@ -278,7 +278,9 @@ def test_forecast_and_backtest_commands_by_law(tmp_path):
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)["backtests"]
     assert [b["law"] for b in got] == [*L.LAWS, "per-fraction"]
-    assert abs(next(b for b in got if b["law"] == "lr-annealing")["final_error"]) < 0.005  # the law the curves came from, across an exact extrapolation
+    assert (
+        abs(next(b for b in got if b["law"] == "lr-annealing")["final_error"]) < 0.005
+    )  # the law the curves came from, across an exact extrapolation
     res = run_cli("ladder", "forecast", "--ladder", *dirs[:1], "--target", "tiny", "--out", str(out))
     assert res.returncode == 2 and "two sizes" in res.stderr and res.stderr.count("\n") == 1
     res = run_cli("ladder", "forecast", "--ladder", *dirs, "--target", "tiny", "--law", "cubic", "--out", str(out))

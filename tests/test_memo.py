@@ -9,7 +9,8 @@ import pytest
 
 from conftest import MICRO
 from moelab.config import load_config, resolve_dtype
-from moelab.train import evaluate, memory, record
+from moelab.plan import memory
+from moelab.train import evaluate, record
 from moelab.train.loop import train
 from moelab.train.record import read_jsonl, remember, remembered
 

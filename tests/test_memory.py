@@ -1,4 +1,4 @@
-"""The per-device memory plan (train/memory.py): parameters, moments and gradients to the byte
+"""The per-device memory plan (plan/memory.py): parameters, moments and gradients to the byte
 on a config counted by hand, the whole plan against XLA's compiled analysis on small shapes, and
 what does not fit."""
 
@@ -13,7 +13,7 @@ from conftest import MICRO
 from moelab import accounting
 from moelab.cli import main
 from moelab.config import load_config
-from moelab.train import memory, memory_check
+from moelab.plan import memory, memory_check
 
 SMALL = [
     "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.head_dim=8", "model.n_kv_heads=1",

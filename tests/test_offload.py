@@ -16,9 +16,9 @@ from moelab.config import ConfigError, load_config
 from moelab.model import loss_fn
 from moelab.model import transformer as tr
 from moelab.parallel import mesh as pmesh
+from moelab.plan.memory import on_host, residuals
+from moelab.plan.memory_check import host_buffers
 from moelab.train import optim
-from moelab.train.memory import on_host, residuals
-from moelab.train.memory_check import host_buffers
 from moelab.train.step import init_train_state, make_train_step, offload_state
 
 SETS = MICRO + ["model.remat=layer", "model.n_layers=2", "model.sliding_window=0", "train.batch_size=8"]

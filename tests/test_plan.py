@@ -72,7 +72,9 @@ def test_top_seeds_give_the_widest_rung_more_runs(tmp_path):
     ladder = load_ladder(lad)
     names = [name for name, _ in rung_runs(ladder)]
     top = ladder.widths[-1]
-    assert names.count(f"demo-d{top}") == 1 and f"demo-d{top}-s2" in names and f"demo-d{ladder.widths[0]}-s2" not in names
+    assert (
+        names.count(f"demo-d{top}") == 1 and f"demo-d{top}-s2" in names and f"demo-d{ladder.widths[0]}-s2" not in names
+    )
     assert len(names) == 2 * len(ladder.widths) + 1
     lad.write_text(text.replace("top_seeds: 0", "top_seeds: 1"))
     res = run_cli("ladder", "plan", str(lad))

@@ -28,7 +28,9 @@ def curves_from(law, sizes=SIZES, seeds=2, noise=0.0, seed=0, fractions=(1.0,)) 
     for c in sizes:
         for k in range(seeds):
             fr = {f: float(law(c * f, f) * math.exp(rng.normal(0, noise))) for f in fractions}
-            out.append({"dir": f"r{c:.3g}-{k}", "name": f"r{c:.3g}-{k}", "steps": 100, "flops": float(c), "fractions": fr})
+            out.append(
+                {"dir": f"r{c:.3g}-{k}", "name": f"r{c:.3g}-{k}", "steps": 100, "flops": float(c), "fractions": fr}
+            )
     return out
 
 
@@ -102,7 +104,9 @@ def test_the_prior_file_round_trips_and_a_recipe_without_one_is_refused_in_one_l
     per_corpus = {f"c{i}": {"fractions": [0.5, 1.0], "alpha": [0.2 + 0.01 * i, 0.25 + 0.02 * i],
                             "e_share": [0.4, 0.5 + 0.01 * i]} for i in range(4)}  # fmt: skip
     prior = P.fit_prior(per_corpus, "tiny-abc", recipe={"recipe": "tiny"}, created="2026-12-05")
-    assert prior.alpha == pytest.approx([0.215, 0.28]) and prior.alpha_sd[1] == pytest.approx(np.std([0.25, 0.27, 0.29, 0.31], ddof=1))
+    assert prior.alpha == pytest.approx([0.215, 0.28]) and prior.alpha_sd[1] == pytest.approx(
+        np.std([0.25, 0.27, 0.29, 0.31], ddof=1)
+    )
     loo = P.fit_prior(per_corpus, "tiny-abc", leave_out="c3")
     assert loo.corpora == ["c0", "c1", "c2"] and loo.alpha[1] == pytest.approx(0.27)
     P.save_prior(prior, P.prior_path("tiny-abc", tmp_path))
@@ -126,7 +130,10 @@ def test_the_demo_recipe_ships_a_prior_and_others_are_refused_by_the_command_lin
     assert P.recipe_key(other) != P.recipe_key(demo)
     base = [sys.executable, "-m", "moelab", "ladder", "forecast", "--ladder", str(tmp_path), "--target", "tiny",
             "--law", "prior", "--out", str(tmp_path / "fc.json")]  # fmt: skip
-    for extra, says in (([], "no prior given"), (["--prior", str(ROOT / "ladders" / "tiny.yaml")], "no prior for recipe")):
+    for extra, says in (
+        ([], "no prior given"),
+        (["--prior", str(ROOT / "ladders" / "tiny.yaml")], "no prior for recipe"),
+    ):
         res = subprocess.run(base + extra, capture_output=True, text=True, cwd=ROOT)
         assert res.returncode == 2 and says in res.stderr and res.stderr.count("\n") == 1, res.stderr
         assert not (tmp_path / "fc.json").exists()
@@ -169,6 +176,7 @@ def misspecified_world(k: int):
 def noisy_ladder(law, rng, offset_sd=0.008, point_sd=0.004) -> tuple[list[dict], dict]:
     """The rungs (two seeds each, three on the top rung) and the target, each run off by an offset of its
     own (a seed) and noisy from point to point."""
+
     def run(c, name):
         off = rng.normal(0, offset_sd)
         fr = {f: float(law(c * f, f) * math.exp(off + rng.normal(0, point_sd))) for f in BAND_FRACTIONS}

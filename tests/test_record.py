@@ -209,7 +209,10 @@ def test_a_frozen_runner_that_lost_its_lease_commits_nothing_and_adds_no_journal
     status = json.loads((prefix / f"{a.dirname()}.status").read_text())
     committed = json.loads((prefix / a.dirname() / "provenance.json").read_text())
     (attempt,) = [d for d in (prefix / f"{a.dirname()}.attempts").iterdir()]  # A's, never committed
-    assert status["status"] == "SUCCESS" and status["owner"] != json.loads((attempt / "lease_lost.json").read_text())["owner"]
+    assert (
+        status["status"] == "SUCCESS"
+        and status["owner"] != json.loads((attempt / "lease_lost.json").read_text())["owner"]
+    )
     assert committed["attempt"] != attempt.name
     assert json.loads((attempt / "provenance.json").read_text())["attempt"] == attempt.name  # A wrote only there
     assert not (prefix / f"{a.dirname()}.lease").exists()  # released by its owner, not by A

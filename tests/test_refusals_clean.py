@@ -80,9 +80,9 @@ def tiny_run_config(tmp_path_factory):
 def quick_plan(monkeypatch):
     """The memory plan's fit check traces the model (about a second on 2 cores); the refusals after it
     do not depend on it, so all but one case skip it."""
-    import moelab.train.memory
+    import moelab.plan.memory
 
-    monkeypatch.setattr(moelab.train.memory, "fit_check", lambda cfg: None)
+    monkeypatch.setattr(moelab.plan.memory, "fit_check", lambda cfg: None)
 
 
 def call(args: list[str]) -> int:

@@ -91,7 +91,7 @@ def run_train(cfg: Config) -> dict:
     phase by phase: each phase's tokens at its own sequence length's FLOPs per token (attention's span
     grows with it); ``phases`` lists them."""
     from moelab.config import phase_config, phase_seq_lens
-    from moelab.train.schedule import phase_boundaries
+    from moelab.schedule import phase_boundaries
 
     lens = phase_seq_lens(cfg)
     out = count(cfg).train(run_tokens(cfg))

@@ -23,7 +23,7 @@ import yaml
 
 from moelab.errors import ConfigError  # noqa: F401 - raised here, importable from here
 from moelab.monitor.faults import parse as parse_fault
-from moelab.train.schedule import parse_replans
+from moelab.schedule import parse_replans
 
 ROUTERS = ("softmax", "sigmoid")
 BIAS_UPDATES = ("none", "quantile", "sign")

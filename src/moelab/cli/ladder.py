@@ -296,7 +296,11 @@ def register(sub) -> None:
                    help="override one field of the target's config, for example --set train.steps=5000 (repeatable)")  # fmt: skip
     p.add_argument("--law", default=DEFAULT_LAW, choices=LAW_CHOICES, help=f"default {DEFAULT_LAW}")
     p.add_argument("--e", type=float, help="hold the irreducible loss E at this value (Marin holds it at 1.5)")
-    p.add_argument("--prior", metavar="FILE", help="the prior laws' prior: its JSON, or the ladder YAML whose recipe's prior moelab ships")
+    p.add_argument(
+        "--prior",
+        metavar="FILE",
+        help="the prior laws' prior: its JSON, or the ladder YAML whose recipe's prior moelab ships",
+    )
     p.add_argument("--metric", default="mix", choices=("mix", "macro"),
                    help="the held-out loss: weighted by the training mixture (mix, default) or the domains' mean")  # fmt: skip
     p.add_argument("--n-boot", type=positive_int, default=200, help="bootstrap draws for the band (default 200)")

@@ -59,7 +59,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             from moelab.parallel.mesh import request_devices
 
             request_devices(n)
-    from moelab.train import memory, memory_check
+    from moelab.plan import memory, memory_check
 
     cfg = load_config(args.config, args.overrides)
     from moelab.errors import ConfigError

@@ -149,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.devices is not None:
         from moelab.parallel.mesh import MeshError, request_devices
-        from moelab.train.memory import MAX_SIMULATED_DEVICES
+        from moelab.plan.memory import MAX_SIMULATED_DEVICES
 
         if args.devices < 1:
             raise UsageError(f"--devices: must be >= 1, got {args.devices}")
@@ -173,7 +173,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{cfg.mesh.expert} = {cfg.mesh.data * cfg.mesh.expert}; make the product {args.devices} (--set mesh.data=...)"
         )
     if not (job or args.max_restarts):  # (a job's processes after joining; a supervisor's child checks for itself)
-        from moelab.train.memory import fit_check
+        from moelab.plan.memory import fit_check
 
         fit_check(resolve_dtype(cfg))  # a run that cannot fit is refused before anything is written
     _make_out(args.out)

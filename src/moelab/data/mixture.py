@@ -32,7 +32,7 @@ import numpy as np
 
 from moelab.config import Config, data_seed
 from moelab.data.sources import DataError
-from moelab.train.schedule import phase_boundaries
+from moelab.schedule import phase_boundaries
 
 if TYPE_CHECKING:
     from moelab.data.store import TokenStore

@@ -440,4 +440,3 @@ class Runner:
             return "SUCCESS", outcome
         finally:
             lease.release()
-

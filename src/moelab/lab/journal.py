@@ -194,7 +194,9 @@ def record(events: list[dict]) -> dict:
         "post_hoc_predictions": post_pred,
         "verdict": head,
         "attempts": attempts,
-        "later_verdicts": [v for v in counted[1:] if (v["verdict"], v["outcome"]) != (head["verdict"], head["outcome"])],
+        "later_verdicts": [
+            v for v in counted[1:] if (v["verdict"], v["outcome"]) != (head["verdict"], head["outcome"])
+        ],
         "post_hoc_verdicts": post_verdicts,
     }
 
@@ -229,9 +231,13 @@ def attempt_rows(rec: dict) -> list[dict]:
     """Each attempt at the registered prediction: its number, when (local time), why it began, its
     graph (step -> identity) and its verdict as every view writes it (``verdict_text``)."""
     return [
-        {"number": a["number"], "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["time"])),
-         "why": a["why"], "graph": a["graph"],
-         "verdict": verdict_text(a["verdict"], rec["verdict"]) if a["verdict"] else None}  # fmt: skip
+        {
+            "number": a["number"],
+            "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["time"])),
+            "why": a["why"],
+            "graph": a["graph"],
+            "verdict": verdict_text(a["verdict"], rec["verdict"]) if a["verdict"] else None,
+        }  # fmt: skip
         for a in rec["attempts"]
     ]
 

@@ -389,7 +389,9 @@ def fit_law(
     # of a parameter's range, each kept once: where a refit of a slightly different ladder may land
     others = []
     for item in found[1:]:
-        if item[0] <= 1.5 * found[0][0] and all(np.max(np.abs(item[1] - o[1]) / span) > 0.05 for o in [found[0], *others]):
+        if item[0] <= 1.5 * found[0][0] and all(
+            np.max(np.abs(item[1] - o[1]) / span) > 0.05 for o in [found[0], *others]
+        ):
             others.append(item)
     return made(found[0], tuple(made(o) for o in others[:3]))
 

@@ -110,7 +110,9 @@ def load_ladder(path: str | Path) -> Ladder:
     if ladder.seeds < 1:
         errors.append(f"{path}: seeds: runs per rung must be >= 1, got {ladder.seeds}")
     if ladder.top_seeds and ladder.top_seeds < ladder.seeds:
-        errors.append(f"{path}: top_seeds: {ladder.top_seeds} runs of the widest rung, fewer than seeds {ladder.seeds}; give 0 or more")
+        errors.append(
+            f"{path}: top_seeds: {ladder.top_seeds} runs of the widest rung, fewer than seeds {ladder.seeds}; give 0 or more"
+        )
     for key, value in (("layers", ladder.layers), ("batch_size", ladder.batch_size)):
         allowed = {1, len(widths), len(widths) + 1} if ladder.target_width else {1, len(widths)}
         if isinstance(value, tuple) and len(value) not in allowed:

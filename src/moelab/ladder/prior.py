@@ -328,7 +328,9 @@ def forecast_prior(
         sd = _seed_sd(size, loss)
         draws = []
         for b in range(n_boot):
-            pb = dict(p, alpha=max(p["alpha"] + z[b] * p["alpha_sd"], 1e-3), e_share=p["e_share"] + z[b] * p["e_share_sd"])
+            pb = dict(
+                p, alpha=max(p["alpha"] + z[b] * p["alpha_sd"], 1e-3), e_share=p["e_share"] + z[b] * p["e_share_sd"]
+            )
             counts = picks[b][np.searchsorted(sizes, size)]
             keep = counts > 0
             fb = fit_at(c[keep], loss[keep], size[keep], c_ref, pb, mode, (w0 * counts)[keep])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moelab.config import config_hash, load_config, to_dict
 from moelab.errors import ReplanError
-from moelab.train.schedule import parse_replans, phase_boundaries  # noqa: F401 - the replan's own terms
+from moelab.schedule import parse_replans, phase_boundaries  # noqa: F401 - the replan's own terms
 
 COVERED = 0.25  # a ladder's forecast is trusted for horizons within 25% of the planned one
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelab.train.schedule import parse_replans
+from moelab.schedule import parse_replans
 
 
 def _shape(s: int, kind: str, warmup: int, horizon: int, floor: float, decay_frac: float) -> float:

@@ -55,7 +55,7 @@ def _unused_before(cfg: Config, at: int) -> set[str]:
     """Fields that change no step before ``at``: the RoPE scaling while every step so far ran at the
     first phase's length (so branches can try scalings from a context change on)."""
     from moelab.config import phase_seq_lens
-    from moelab.train.schedule import phase_boundaries
+    from moelab.schedule import phase_boundaries
 
     lens = phase_seq_lens(cfg)
     starts = phase_boundaries(cfg.data.phase_starts, cfg.train)

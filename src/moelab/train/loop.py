@@ -38,6 +38,7 @@ from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
 from moelab.progress import Progress, phase, say
+from moelab.schedule import eval_points  # noqa: F401 - importable from here
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
 from moelab.train.record import (
@@ -53,7 +54,6 @@ from moelab.train.record import (
     remembered,
     versions,
 )
-from moelab.train.schedule import eval_points  # noqa: F401 - importable from here
 from moelab.train.step import init_train_state, make_train_step, offload_state
 
 # testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from moelab.config import Config
-from moelab.train.schedule import parse_replans
+from moelab.schedule import parse_replans
 
 # no weight decay on these by default (norms have no bias terms to add)
 NO_DECAY = ("embed", "attn_norm", "mlp_norm", "latent_norm", "final_norm")

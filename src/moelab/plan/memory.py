@@ -1,5 +1,5 @@
 """Per-device memory of a train step on a ``data`` x ``expert`` mesh, planned from the config; checked
-against the compiler by ``moelab.train.memory_check``.
+against the compiler by ``moelab.plan.memory_check``.
 
 Rows, in bytes per device (``plan``):
 
@@ -618,5 +618,3 @@ def _fit_check(cfg: Config) -> None:
         f"{cfg.model.seq_len} tokens) and {where}; {what} "
         "(moelab plan memory; MOELAB_NO_FIT_CHECK=1 to try anyway)"
     )
-
-

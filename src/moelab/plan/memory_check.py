@@ -1,4 +1,4 @@
-"""The memory plan (``moelab.train.memory``) against the compiler: the train step compiled ahead of
+"""The memory plan (``moelab.plan.memory``) against the compiler: the train step compiled ahead of
 time for a simulated mesh on abstract inputs, XLA's per-device memory analysis beside the plan.
 
 XLA:CPU does not keep every rematerialisation a GPU compiler would: the recomputation of layers
@@ -17,7 +17,7 @@ from moelab import devices
 from moelab.config import Config, load_config
 from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
-from moelab.train.memory import (
+from moelab.plan.memory import (
     UPDATE_ONLY,
     abstract_state,
     counted_bytes,
@@ -124,7 +124,11 @@ def compiler_check(
         # XLA:CPU has one memory: offloaded buffers are its arguments and temporaries like any other, and
         # the moves between memories compile to nothing; so the plan's device and host rows are compared
         # together, without the optimizer state moved in for the update
-        return got, t1 + (t2 - t1) * (depth - n1) / (n2 - n1), counted_bytes({**p["rows"], UPDATE_ONLY: 0}) + p["host_total"]
+        return (
+            got,
+            t1 + (t2 - t1) * (depth - n1) / (n2 - n1),
+            counted_bytes({**p["rows"], UPDATE_ONLY: 0}) + p["host_total"],
+        )
 
     compiled, scaled, together = side(cfg, "")
     ratio = together / scaled

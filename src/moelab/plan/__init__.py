@@ -1,0 +1,1 @@
+"""The memory planner: what a config holds per device (memory), checked against XLA's compiled program (memory_check)."""
