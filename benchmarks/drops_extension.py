@@ -41,8 +41,8 @@ def main() -> None:
 
     from moelab.config import load_config
     from moelab.progress import say
+    from moelab.runs import read_jsonl
     from moelab.train.loop import train
-    from moelab.train.record import read_jsonl
 
     t0 = time.time()
     run = Path(args.out) / "run"

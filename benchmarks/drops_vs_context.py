@@ -68,8 +68,8 @@ def buffer_rows(transport: str, cf: float, t: int, k: int, n_exp: int, n_dev: in
 def restore(run: Path, step: int | None = None):
     """(config, train state, token store) of a run's checkpoint (the newest by default)."""
     from moelab.data.store import build_store
+    from moelab.runs import load_run_config
     from moelab.train import checkpoint, optim
-    from moelab.train.record import load_run_config
     from moelab.train.step import init_train_state
 
     cfg = load_run_config(run)

@@ -44,7 +44,7 @@ WITHIN = 0.1  # caught within this fraction of the run after the fault starts
 
 
 def evals(run_dir: Path, agg: str = AGG) -> dict[int, float]:
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     return {r["step"]: r["loss_dropless"][agg] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "eval"}
 
@@ -91,8 +91,8 @@ def clean_cases(rungs, targets, n_boot: int, log) -> list[dict]:
 
 def faulted_twin(clean_dir: Path, start: float, fc: dict, log) -> Path:
     from moelab.config import load_config
+    from moelab.runs import load_run_config
     from moelab.train.loop import train
-    from moelab.train.record import load_run_config
 
     cfg = load_run_config(clean_dir)
     at = round(start * cfg.train.steps)
@@ -113,7 +113,7 @@ def faulted_twin(clean_dir: Path, start: float, fc: dict, log) -> Path:
 
 
 def fault_case(clean_dir: Path, twin: Path, start: float, fc: dict) -> dict:
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     total = load_run_config(clean_dir).train.steps
     at = round(start * total)

@@ -47,7 +47,7 @@ def runs_of(ladder: Path) -> tuple[list[Path], list[Path]]:
 def check_ladder(ladder: Path, scales) -> list[dict]:
     from moelab.ladder.forecast import forecast
     from moelab.monitor.health import check_run, ladder_trajectories
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     rungs, others = runs_of(ladder)
     lad = ladder_trajectories(rungs)

@@ -106,8 +106,8 @@ def shares(out: Path) -> dict:
     """The run's domains' shares of its training rows (the weights of ``mix``)."""
     from moelab.data.mixture import build_mixture
     from moelab.data.store import build_store
+    from moelab.runs import load_run_config
     from moelab.train.evaluate import _no_cap
-    from moelab.train.record import load_run_config
 
     cfg = load_run_config(out)
     store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
@@ -117,7 +117,7 @@ def shares(out: Path) -> dict:
 def curve(out: Path, agg: str) -> dict:
     """step -> held-out loss (dropless, ``agg``) of a finished run; ``mix`` worked out from the
     domains' losses for runs evaluated before the evaluator wrote it."""
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     recs = [r["loss_dropless"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]

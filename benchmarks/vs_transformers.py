@@ -140,7 +140,7 @@ def main() -> None:
 
     from moelab import accounting
     from moelab._alloc import hugepages_on
-    from moelab.train.record import matmul_peak
+    from moelab.cache import matmul_peak
 
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "threads": args.threads, "hugepages": hugepages_on(), "jax": jax.__version__, "torch": torch.__version__,

@@ -280,7 +280,7 @@ def test_a_run_that_died_before_its_config_can_still_be_resumed(tmp_path):
 
 
 def test_a_change_inside_the_run_is_recorded(env, tmp_path):
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     exp = str(env["files"] / "exp45_train.py")
     assert main(["change", exp, "--what", "lr x0.5", "--why", "spikes", "--step", "50", "--prefix", str(tmp_path)]) == 0

@@ -12,10 +12,10 @@ from moelab.config import load_config
 from moelab.errors import RunRefused
 from moelab.lab.graph import Step, output_of
 from moelab.lab.steps import branch_step, train_step
+from moelab.runs import read_jsonl
 from moelab.train import optim
 from moelab.train.branch import branch_config, branch_point, start_branch
 from moelab.train.loop import train
-from moelab.train.record import read_jsonl
 from test_train import _micro
 
 WSD = ["train.schedule=wsd", "train.decay_frac=0.2", "train.warmup_frac=0.1", "train.min_lr_ratio=0.05"]

@@ -23,10 +23,10 @@ import pytest
 
 from conftest import MICRO, ROOT
 from moelab.config import load_config
+from moelab.runs import read_jsonl
 from moelab.train import checkpoint
 from moelab.train.checkpoint import Checkpoints
 from moelab.train.loop import train
-from moelab.train.record import read_jsonl
 
 
 def _state(seed: int) -> dict:

@@ -12,8 +12,8 @@ import pytest
 from conftest import MICRO
 from moelab.config import ConfigError, final_model, load_config, phase_config, rope_scaling_of
 from moelab.model.layers import rope, rope_frequencies
+from moelab.runs import RunDir, read_jsonl
 from moelab.train.loop import train
-from moelab.train.record import RunDir, read_jsonl
 
 
 def _angles_by_hand(kind: str, i: int, half: int, theta: float, s: float, base: int) -> tuple[float, float]:

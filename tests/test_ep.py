@@ -332,14 +332,14 @@ def _train(corpus, out, *extra, env=None):
 
 
 def _losses(out):
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     return np.array([r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"])
 
 
 def _evals(out):
     """Each evaluation's held-out loss, dropless, per domain and macro."""
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     return [r["loss_dropless"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
 
@@ -426,7 +426,7 @@ def test_checkpoints_move_between_meshes(corpus, single_device_run, tmp_path):
     res = _train(corpus, out, "--resume", "--set", "mesh.expert=8")
     assert res.returncode == 0, res.stderr[-3000:]
     np.testing.assert_allclose(_losses(out), ref, rtol=0, atol=1e-4)
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     assert any(e["event"] == "mesh_change" for e in read_jsonl(out / "events.jsonl"))
 
@@ -503,7 +503,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(corpus, ep_run
     assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     np.testing.assert_allclose(_losses(out), _losses(ep_run), rtol=0, atol=1e-5)
     assert (out / "ckpt" / "step_00000020").exists() and (out / ".process-1").is_dir()  # one writer
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     # each process built only its own half of every batch, and together they are the global batch
     spans = [[e["batch_rows"] for e in read_jsonl(d / "events.jsonl") if e["event"] == "launch"][0]
@@ -524,7 +524,7 @@ def test_ep_with_fsdp_training_equals_one_device_in_a_few_steps(corpus, tmp_path
     for name, mesh in (("one", []), ("fsdp", ["mesh.data=4", "mesh.expert=2"])):
         train(load_config("tiny", sets + mesh), tmp_path / name, progress=False)
         runs[name] = (_losses(tmp_path / name), _evals(tmp_path / name))
-        from moelab.train.record import read_jsonl
+        from moelab.runs import read_jsonl
 
         (launch,) = [e for e in read_jsonl(tmp_path / name / "events.jsonl") if e["event"] == "launch"]
         want = {"one": None, "fsdp": {"data": 4, "expert": 2}}[name]

@@ -107,9 +107,9 @@ def test_a_schedule_bug_in_the_optimiser_is_caught_by_the_rate_it_applied(corpus
     state, against the plan registered at launch, and ALERTs."""
     from conftest import MICRO
     from moelab.config import load_config
+    from moelab.runs import read_jsonl
     from moelab.train import optim
     from moelab.train.loop import train
-    from moelab.train.record import read_jsonl
 
     cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=20",
                                "train.warmup_frac=0.5", "train.eval_every=20"])  # fmt: skip
@@ -166,9 +166,9 @@ def test_a_bug_in_the_schedule_function_itself_is_caught(corpus, tmp_path, monke
     peak): the optimiser applies it and reports it, and the plan is the schedule's definition written
     apart, so lr_schedule ALERTs where the rates part."""
     from conftest import MICRO
+    from moelab.runs import read_jsonl
     from moelab.train import optim
     from moelab.train.loop import train
-    from moelab.train.record import read_jsonl
 
     cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=20",
                                "train.warmup_frac=0.25", "train.eval_every=20"])  # fmt: skip

@@ -1,4 +1,4 @@
-"""Results kept in the cache for the command run again (moelab.train.record.remember): the fit check's
+"""Results kept in the cache for the command run again (moelab.cache.remember): the fit check's
 verdict and the initial model's evaluation, answered only for the same config, code and machine."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import json
 import pytest
 
 from conftest import MICRO
+from moelab import cache
+from moelab.cache import remember, remembered
 from moelab.config import load_config, resolve_dtype
 from moelab.plan import memory
-from moelab.train import evaluate, record
+from moelab.runs import read_jsonl
+from moelab.train import evaluate
 from moelab.train.loop import train
-from moelab.train.record import read_jsonl, remember, remembered
 
 
 def test_a_result_is_answered_for_its_key_code_and_settings_only(monkeypatch, tmp_path):
@@ -27,7 +29,7 @@ def test_a_result_is_answered_for_its_key_code_and_settings_only(monkeypatch, tm
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")  # XLA set otherwise: may compute otherwise
     assert remembered("k", key) is None
     monkeypatch.delenv("XLA_FLAGS")
-    monkeypatch.setattr(record, "code_fingerprint", lambda: "edited")  # moelab's code edited
+    monkeypatch.setattr(cache, "code_fingerprint", lambda: "edited")  # moelab's code edited
     assert remembered("k", key) is None
     monkeypatch.undo()
     monkeypatch.setenv("MOELAB_CACHE", str(tmp_path))

@@ -12,7 +12,7 @@ from conftest import MICRO
 from moelab.lab import Experiment, Prediction, output_of
 from moelab.lab.executor import Runner
 from moelab.lab.steps import forecast_step, health_step, ladder_steps, train_step
-from moelab.train.record import read_jsonl
+from moelab.runs import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,8 @@ def test_a_planted_fault_is_caught_through_the_band_and_the_clean_target_is_not(
     target raises none. The fault's size is read off the pair itself."""
     from moelab.config import load_config
     from moelab.monitor.health import check_run
+    from moelab.runs import load_run_config
     from moelab.train.loop import train
-    from moelab.train.record import load_run_config
 
     runner, _, steps = pipeline
     clean = runner.out(steps["target"])

@@ -102,7 +102,7 @@ def test_a_prediction_changed_before_any_step_ran_is_still_registered(tmp_path):
 def forecast_run(root: Path) -> Path:
     """A run directory with a config, a few evaluations and a forecast, registered at its launch."""
     from moelab.config import load_config, to_dict
-    from moelab.train.record import RunDir
+    from moelab.runs import RunDir
 
     run = root / "target"
     run.mkdir(parents=True)
@@ -121,7 +121,7 @@ def forecast_run(root: Path) -> Path:
 
 
 def test_a_forecast_changed_after_registration_is_refused(tmp_path, capsys):
-    from moelab.train.record import RunDir
+    from moelab.runs import RunDir
 
     run = forecast_run(tmp_path)
     assert main(["health", str(run), "--json"]) == 0
@@ -244,7 +244,7 @@ def test_a_heartbeat_never_writes_over_a_newer_owner(tmp_path, monkeypatch):
 def _torn_case(tmp_path, k: int, writer: str):
     """A file holding one record and the first ``k`` bytes of a second; then a third is written."""
     from moelab.jsonl import read
-    from moelab.train.record import append_jsonl
+    from moelab.runs import append_jsonl
 
     first, second, third = {"i": 1, "s": "é"}, {"i": 2, "text": 'a "quoted" ü line'}, {"i": 3}
     line = (json.dumps(second) + "\n").encode()
@@ -404,7 +404,7 @@ def test_a_training_step_frozen_by_its_runner_writes_nothing_the_new_owner_reads
     import signal
     import time
 
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
     from test_executor import _run_cli
 
     exp_path, prefix = tmp_path / "exp32_fenced.py", tmp_path / "lab"

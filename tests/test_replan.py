@@ -11,8 +11,8 @@ import pytest
 from conftest import MICRO, run_cli
 from moelab.config import ConfigError, load_config
 from moelab.ladder.replan import phase_boundaries
+from moelab.runs import read_jsonl
 from moelab.train import optim
-from moelab.train.record import read_jsonl
 from test_forecast import synthetic_rung
 from test_train import _train_cli
 

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 
 from moelab.cli import main
-from moelab.train.record import read_jsonl
+from moelab.runs import read_jsonl
 
 
 def _line_points(page: str, gid: str) -> np.ndarray:

@@ -163,8 +163,8 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
     from moelab.config import load_config
     from moelab.eval.tasks import evaluate_tasks
     from moelab.report.site import run_plots
+    from moelab.runs import read_jsonl
     from moelab.train.loop import train
-    from moelab.train.record import read_jsonl
 
     task = tmp_path / "mine.jsonl"
     task.write_text("\n".join(json.dumps(r) for r in [

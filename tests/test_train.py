@@ -16,9 +16,9 @@ import pytest
 from conftest import MICRO, MOE_SET, ROOT
 from moelab.cli import main
 from moelab.config import load_config
+from moelab.runs import RunDir, read_jsonl
 from moelab.train import checkpoint, optim
 from moelab.train.loop import train
-from moelab.train.record import RunDir, read_jsonl
 
 
 def test_linear_schedule_warms_up_to_peak_and_ends_at_min():
@@ -616,7 +616,7 @@ def test_a_run_resumed_after_a_restore_restores_again_as_the_uninterrupted_one(c
 
 def test_mfu_is_per_device_against_the_compute_dtype_peak(corpus, tmp_path):
     from moelab import accounting
-    from moelab.train.record import matmul_peak
+    from moelab.cache import matmul_peak
 
     cfg = _micro(
         corpus, "train.steps=6", "train.eval_every=6", "mesh.data=8", "train.batch_size=8", "train.log_every=2"
@@ -649,7 +649,7 @@ def test_the_published_peaks_by_device_kind():
 
 
 def test_the_matmul_peak_is_measured_once_a_week_per_machine(tmp_path, monkeypatch):
-    from moelab.train import record
+    from moelab import cache as record
 
     monkeypatch.setenv("MOELAB_CACHE", str(tmp_path))
     calls = []
@@ -671,8 +671,8 @@ def test_a_run_whose_every_step_compiled_reports_no_speed(tmp_path, recwarn):
 
     from moelab.cli.common import print_summary
     from moelab.config import load_config
+    from moelab.runs import RunDir
     from moelab.train.loop import summarize
-    from moelab.train.record import RunDir
 
     run = RunDir(tmp_path)
     rec = {"kind": "train", "step": 1, "loss": 6.8, "dropped_frac": 0.01, "spilled_frac": 0.0,

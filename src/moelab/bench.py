@@ -93,8 +93,8 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
 
     from moelab import accounting
     from moelab._alloc import hugepages_on
+    from moelab.cache import matmul_peak
     from moelab.train import optim
-    from moelab.train.record import matmul_peak
     from moelab.train.step import init_train_state, make_train_step
 
     m = cfg.model

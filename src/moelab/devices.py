@@ -6,7 +6,7 @@ PFLOP/s bf16 and 5,760 TFLOP/s fp32 over 72 GPUs), TF32 (what a float32 matmul r
 cores under JAX's default precision: half the data sheets' with-sparsity figures, 989 and 180 PFLOP/s
 over 72), TPU v5p (459 bf16) and v6e (918 bf16). TPUs
 publish no fp32 matmul peak: MFU in fp32 there needs ``train.peak_flops``. On a CPU the peak is
-measured (``train.record.cached_matmul_peak``).
+measured (``moelab.cache.cached_matmul_peak``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from moelab.errors import RecordError
 
 _CHUNK = 1 << 16
@@ -122,3 +124,15 @@ def torn_tail(path: str | Path) -> bytes:
         return b""
     data = path.read_bytes()
     return data[data.rfind(b"\n") + 1 :]
+
+
+def jsonable(x):
+    """``x`` with NumPy and JAX arrays as plain numbers and lists, for JSON."""
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__array__"):
+        arr = np.asarray(x)
+        return arr.item() if arr.ndim == 0 else arr.tolist()
+    return x

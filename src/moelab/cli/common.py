@@ -140,8 +140,8 @@ def print_summary(summary: dict) -> None:
 def print_plan(ladder, flops_per_s: float | None = None, as_json: bool = False) -> None:
     """The rungs (and target) of a ladder: shapes, parameters, tokens, steps, FLOPs, time here."""
     from moelab import accounting
+    from moelab.cache import matmul_peak
     from moelab.ladder.plan import plan
-    from moelab.train.record import matmul_peak
 
     assumed_mfu = 0.2  # what the tiny demo reaches on 2 CPU cores
     rate = flops_per_s or assumed_mfu * matmul_peak()

@@ -18,7 +18,7 @@ from moelab.cli.common import print_plan, print_summary
 from moelab.config import load_config
 from moelab.errors import UsageError
 from moelab.presets import MARIN_LADDER
-from moelab.train.record import read_jsonl
+from moelab.runs import read_jsonl
 
 
 def marin_reference() -> dict:

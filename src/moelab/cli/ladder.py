@@ -185,7 +185,7 @@ def cmd_ladder_backtest(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     from moelab.monitor.health import check_run, forecast_problem, ladder_trajectories
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     run = Path(args.run_dir)
     load_run_config(run)  # refuses a directory that is not a run
@@ -203,7 +203,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         if problem:
             raise UsageError(f"{forecast_path}: {problem}")
     else:  # the run's newest registered forecast, refused if it changed after it was registered
-        from moelab.train.record import RunDir
+        from moelab.runs import RunDir
 
         forecast = RunDir(run).verified_forecast()
     ladder = None

@@ -14,7 +14,7 @@ def _train_config(args: argparse.Namespace):
     from moelab.config import replace
 
     if args.config is None:  # `moelab train --resume --out DIR`: the run's own (perhaps re-planned) config
-        from moelab.train.record import load_run_config
+        from moelab.runs import load_run_config
 
         if not args.resume:
             raise UsageError("config: give a preset or a YAML file (only --resume may leave it out)")
@@ -121,9 +121,9 @@ def _make_out(out: str) -> None:
 def _branch(args: argparse.Namespace) -> int:
     """`moelab train --branch-from PARENT --at STEP --steps N --out DIR`: a new run from the parent's
     checkpoint at STEP with a horizon of N steps (moelab.train.branch)."""
+    from moelab.runs import load_run_config
     from moelab.train.branch import branch_config, start_branch
     from moelab.train.loop import train
-    from moelab.train.record import load_run_config
 
     if args.at is None or args.steps is None:
         raise UsageError("--branch-from: give --at STEP (the parent's checkpoint) and --steps N (the branch's horizon)")
@@ -252,7 +252,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if args.noise:
         if args.against:
-            from moelab.train.record import load_run_config
+            from moelab.runs import load_run_config
 
             load_run_config(args.against)  # refused in one line before anything is said
         if not args.json:

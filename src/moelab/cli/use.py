@@ -21,7 +21,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from moelab.config import final_model
     from moelab.export import checkpoint_step, load_trained, tokenizer_of
     from moelab.model.decode import Generator, check_sampling
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     cfg = load_run_config(args.run_dir)  # bad input is refused in one line before anything loads
@@ -76,7 +76,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from moelab.export import checkpoint_step
     from moelab.export.hf import check_out, export_hf, export_safetensors
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     load_run_config(args.run_dir)
     step = checkpoint_step(args.run_dir, args.checkpoint)

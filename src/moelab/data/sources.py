@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moelab.cache import cache_root  # noqa: F401 - the store's folder is under it
 from moelab.errors import DataError  # noqa: F401 - raised here, importable from here
 
 STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
@@ -892,7 +893,3 @@ def doc_hash(domain: str, doc_id: str) -> int:
 def is_held_out(domain: str, doc_id: str, fraction: float) -> bool:
     """A document's split is a hash of its name: stable across runs, machines, file order and workers."""
     return doc_hash(domain, doc_id) / 2**64 < fraction
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOELAB_CACHE", ".moelab_cache"))

@@ -178,7 +178,7 @@ def evaluate_harness(
     from moelab.export import checkpoint_step
     from moelab.export.hf import export_hf
     from moelab.progress import say
-    from moelab.train.record import RunDir, load_run_config
+    from moelab.runs import RunDir, load_run_config
 
     with offline():
         lm_eval, HFLM, TaskManager = _import_lm_eval()

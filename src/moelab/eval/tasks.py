@@ -227,8 +227,8 @@ def evaluate_retrieval(
     from moelab.data.tokenizer import load_saved
     from moelab.eval.builtin import retrieval_examples
     from moelab.progress import say
+    from moelab.runs import load_run_config
     from moelab.train.evaluate import restored
-    from moelab.train.record import load_run_config
 
     context = final_model(load_run_config(run_dir)).seq_len  # refused before anything loads
     if bad := [x for x in lengths if not 16 <= x <= context]:

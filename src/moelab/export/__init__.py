@@ -25,8 +25,8 @@ class Trained(NamedTuple):
 
 def checkpoint_step(run_dir: str | Path, step: int | None) -> int:
     """The newest complete checkpoint's step, or ``step`` if it is one; else one line, RunRefused."""
+    from moelab.runs import RunDir
     from moelab.train import checkpoint
-    from moelab.train.record import RunDir
 
     run = RunDir(run_dir)
     saved = checkpoint.steps(run.ckpt)
@@ -55,8 +55,8 @@ def tokenizer_of(run_dir: str | Path, cfg: Config, progress: bool = True) -> Pat
 def load_trained(run_dir: str | Path, step: int | None = None, progress: bool = True) -> Trained:
     import jax
 
+    from moelab.runs import RunDir, load_run_config
     from moelab.train import checkpoint, optim
-    from moelab.train.record import RunDir, load_run_config
     from moelab.train.step import init_train_state
 
     cfg = load_run_config(run_dir)

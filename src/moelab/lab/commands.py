@@ -61,7 +61,7 @@ def prediction_problem(exp: Experiment) -> str | None:
 
 def dry_run(runner: Runner, flops_per_s: float | None = None) -> list[dict]:
     """Each step's status, estimated FLOPs and time, and output path; runs nothing."""
-    from moelab.train.record import matmul_peak
+    from moelab.cache import matmul_peak
 
     rate = flops_per_s or measured_rate(runner.prefix) or 0.3 * matmul_peak()
     rows = []
@@ -215,7 +215,7 @@ def training_horizons(exp, prefix: Path | None = None) -> dict[str, int]:
     from moelab.errors import RunRefused
     from moelab.lab.graph import resolve
     from moelab.lab.steps import _config, _train
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     out = {}
     for step in exp.all_steps():

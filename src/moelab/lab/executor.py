@@ -24,7 +24,7 @@ from pathlib import Path
 
 from moelab.lab.graph import Experiment, Step, closure, knowable, resolve
 from moelab.lab.journal import RUNNING, Journal, Running, headline, judge, record
-from moelab.train.record import git_state, host, versions
+from moelab.runs import git_state, host, versions
 
 
 def lease_timeout() -> float:

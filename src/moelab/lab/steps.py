@@ -111,9 +111,9 @@ def train_step(
 
 
 def _branch(cfg: dict, out: Path) -> dict:
+    from moelab.runs import load_run_config
     from moelab.train.branch import branch_config, branch_point, start_branch
     from moelab.train.loop import train
-    from moelab.train.record import load_run_config
 
     branch = branch_config(load_run_config(cfg["parent"]), cfg["at"], cfg["steps"], list(cfg.get("overrides", [])),
                            cfg.get("run_name", ""))  # fmt: skip
@@ -234,7 +234,7 @@ def _health(cfg: dict, out: Path) -> dict:
     from moelab.errors import RecordError
     from moelab.lab.journal import RUNNING
     from moelab.monitor.health import check_run
-    from moelab.train.record import RunDir, read_jsonl
+    from moelab.runs import RunDir, read_jsonl
 
     run = Path(cfg["run"])
     fc = RunDir(run).verified_forecast()  # the run's newest registered forecast, unchanged since, or refused

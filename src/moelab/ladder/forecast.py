@@ -34,8 +34,8 @@ from moelab.errors import ForecastError
 from moelab.ladder import law as L
 from moelab.ladder.fits import fit_power
 from moelab.monitor.health import departures
+from moelab.runs import read_jsonl
 from moelab.schedule import eval_points
-from moelab.train.record import read_jsonl
 
 FRACTIONS = [k / 20 for k in range(1, 21)]
 # what is forecast: the held-out loss (dropless) with the domains weighted by their share of the training

@@ -41,15 +41,15 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
     Returns what changed: steps, learning rates at the change and at the new end, phase
     boundaries, the forecast, and a warning when the new horizon is more than 25% from the plan.
     """
+    from moelab.runs import RunDir
     from moelab.train import checkpoint, optim
-    from moelab.train.record import RunDir
 
     run = RunDir(run_dir)
     if not run.config.is_file():
         raise ReplanError(f"{run.path}: no config.json; is this a training run directory?")
     if not reason.strip():
         raise ReplanError("--reason: say why the horizon changes; it goes into the run's record")
-    from moelab.train.record import load_run_config
+    from moelab.runs import load_run_config
 
     cfg = load_run_config(run.path)
     per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -117,7 +117,7 @@ def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int, reason: st
     journals of experiments that include this run record (`moelab replan` writes it there)."""
     from moelab.ladder import DEFAULT_LAW
     from moelab.ladder.forecast import ForecastError, forecast
-    from moelab.train.record import RunDir
+    from moelab.runs import RunDir
 
     run = RunDir(run_dir)
     old = run.verified_forecast()  # a forecast changed after it was registered is refused here

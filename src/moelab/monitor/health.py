@@ -97,7 +97,7 @@ def ladder_trajectories(run_dirs) -> LadderTrajectories:
     import json
     from pathlib import Path
 
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     grid = np.arange(1, 101) / 100
     logs, drops, names = [], [], []
@@ -463,8 +463,8 @@ def check_run(run_dir, forecast: dict | None = None, ladder=None, scales=None) -
     from pathlib import Path
 
     from moelab.monitor.reference import reference_factors
+    from moelab.runs import RunDir, load_run_config, read_jsonl
     from moelab.train import optim
-    from moelab.train.record import RunDir, load_run_config, read_jsonl
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)

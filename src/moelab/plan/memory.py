@@ -33,11 +33,11 @@ import dataclasses
 import math
 
 from moelab import devices
+from moelab.cache import remember, remembered
 from moelab.config import Config, load_config, phase_config, phase_seq_lens, to_dict
 from moelab.errors import UsageError
 from moelab.parallel import mesh as pmesh
 from moelab.progress import phase
-from moelab.train.record import remember, remembered
 
 MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
 FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics",

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.lab.journal import Journal, attempt_rows, headline, record, verdict_text
-from moelab.train.record import read_jsonl
+from moelab.runs import read_jsonl
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}

@@ -95,7 +95,7 @@ def branch_config(parent: Config, at: int, steps: int, overrides: list[str] = ()
 
 def branch_point(run_dir: str | Path) -> dict | None:
     """The ``branch`` event of a run that was branched from another (parent, step), else None."""
-    from moelab.train.record import read_jsonl
+    from moelab.runs import read_jsonl
 
     for e in read_jsonl(Path(run_dir) / "events.jsonl"):
         if e.get("event") == "branch":
@@ -110,8 +110,8 @@ def start_branch(parent_dir: str | Path, at: int, out: str | Path, cfg: Config) 
     """Lay out the branch's directory: the parent's checkpoint at ``at``, its metrics up to it, the
     branch's config, and last the ``branch`` event: a start that died before it is started again
     (its partial copies replaced); ``out`` may hold nothing else but a failed step's error.txt."""
+    from moelab.runs import RunDir, load_run_config
     from moelab.train import checkpoint
-    from moelab.train.record import RunDir, load_run_config
 
     parent = RunDir(parent_dir)
     pcfg = load_run_config(parent.path)

@@ -43,22 +43,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jax
-from etils import epath
+
+from moelab.paths import as_path, is_local
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.replaced)?$")
 COMMIT = "commit_success.txt"  # Orbax's commit file (atomicity.COMMIT_SUCCESS_FILE)
 META = "meta.json"
 TMP = ".orbax-checkpoint-tmp"  # Orbax's temporary folders (atomicity.TMP_DIR_SUFFIX)
-
-
-def is_local(root) -> bool:
-    """Whether ``root`` is a POSIX path (fsync and rename apply) rather than an object store URL."""
-    return "://" not in str(root)
-
-
-def as_path(root):
-    """``root`` as a path object: a pathlib.Path when local, an etils epath.Path for a URL (gs://...)."""
-    return Path(root) if is_local(root) else epath.Path(str(root))
 
 
 def _complete(p) -> bool:

@@ -138,8 +138,8 @@ def restored(run_dir, step: int | None = None, progress: bool = True, final: boo
     model as the run ends, evaluated as it trains there."""
     from moelab.data.store import build_store
     from moelab.errors import RunRefused
+    from moelab.runs import RunDir, load_run_config
     from moelab.train import checkpoint, optim
-    from moelab.train.record import RunDir, load_run_config
     from moelab.train.step import init_train_state
 
     run = RunDir(run_dir)

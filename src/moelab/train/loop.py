@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from moelab import accounting
+from moelab.cache import cached_matmul_peak, enable_compile_cache, remember, remembered
 from moelab.config import (
     Config,
     config_hash,
@@ -38,22 +39,10 @@ from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
 from moelab.progress import Progress, phase, say
+from moelab.runs import RunDir, append_jsonl, git_state, host, load_run_config, read_jsonl, versions
 from moelab.schedule import eval_points  # noqa: F401 - importable from here
 from moelab.train import checkpoint, optim
 from moelab.train.evaluate import Evaluator
-from moelab.train.record import (
-    RunDir,
-    append_jsonl,
-    cached_matmul_peak,
-    enable_compile_cache,
-    git_state,
-    host,
-    load_run_config,
-    read_jsonl,
-    remember,
-    remembered,
-    versions,
-)
 from moelab.train.step import init_train_state, make_train_step, offload_state
 
 # testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from moelab.train.record import RunDir
+from moelab.runs import RunDir
 
 NOT_RETRIED = {0: "finished", 2: "refused", 3: "stopped by the run itself"}
 
