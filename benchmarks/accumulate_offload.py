@@ -61,7 +61,7 @@ def main() -> None:
     warm = init_train_state(base, opt)
     warm_step = make_train_step(base, opt, h)
     for s in range(2):
-        warm, _ = warm_step(warm, batches[s], np.int32(s), np.bool_(False), None)
+        warm, _ = warm_step(warm, batches[s], np.int32(s))
     warm = jax.device_get(warm)
     runs = {}
     for name, sets in VARIANTS.items():
@@ -69,14 +69,14 @@ def main() -> None:
         cfg = load_config(base, sets)
         step = make_train_step(cfg, opt, h)
         state = offload_state(jax.tree.map(jax.numpy.asarray, warm), cfg)
-        state, m = step(state, batches[0], np.int32(2), np.bool_(False), None)  # compile and warm up
+        state, m = step(state, batches[0], np.int32(2))  # compile and warm up
         float(m["loss"])
         runs[name] = {"step": step, "state": state, "times": [], "losses": []}
     for r in range(args.rounds):
         say(f"round {r + 1} of {args.rounds}: a step of each variant", True)
         for run in runs.values():
             t0 = time.perf_counter()
-            run["state"], m = run["step"](run["state"], batches[r + 1], np.int32(3 + r), np.bool_(False), None)
+            run["state"], m = run["step"](run["state"], batches[r + 1], np.int32(3 + r))
             run["losses"].append(float(m["loss"]))
             run["times"].append(time.perf_counter() - t0)
     ref = float(np.median(runs["whole batch"]["times"]))

@@ -55,7 +55,7 @@ def main() -> None:
         nonlocal state
         batch = rng.integers(0, v, (b, s + 1), dtype=np.int32)
         t0 = time.perf_counter()
-        state, metrics = step_fn(state, batch, np.int32(i), np.bool_(False))
+        state, metrics = step_fn(state, batch, np.int32(i))
         float(metrics["loss"])
         return time.perf_counter() - t0
 

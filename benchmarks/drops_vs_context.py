@@ -143,15 +143,16 @@ def replay(cfg, state, store, seqs, tokens_per_device, transports, factors, timi
                         cfg, model={"ep_transport": transport, "capacity_factor": cf, "spill_choices": 0}
                     ).model
                     key = (transport, cf)
-                    if key not in fns:  # as the train step calls it: the transport on the active mesh
+                    if key not in fns:  # as the train step calls it: the transport on the mesh
                         dispatch = "spill" if transport == "spill" else "capacity"
-                        fns[key] = jax.jit(lambda h, r, w, mt=mt, d=dispatch: routed_experts(h, r, w, mt, d))
-                    pmesh.set_active(mesh)  # the transports run on the mesh (the forward above on one device)
-                    try:
-                        y, st = fns[key](h, r, wl)
-                        jax.block_until_ready(y)
-                    finally:
-                        pmesh.set_active(None)
+                        on_mesh = pmesh.Runtime(
+                            mesh
+                        )  # the transports run on the mesh (the forward above on one device)
+                        fns[key] = jax.jit(
+                            lambda h, r, w, mt=mt, d=dispatch, rt=on_mesh: routed_experts(h, r, w, mt, d, rt)
+                        )
+                    y, st = fns[key](h, r, wl)
+                    jax.block_until_ready(y)
                     if timing is not None and (seq == 4096 or key not in timing):  # time the compiled call
                         t1 = time.perf_counter()
                         jax.block_until_ready(fns[key](h, r, wl)[0])

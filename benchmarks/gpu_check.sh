@@ -40,7 +40,7 @@ for off in ("none", "all"):
     h = optim.hyper(cfg); opt = optim.make_optimizer(cfg, h)
     state = offload_state(init_train_state(cfg, opt), cfg)
     b = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
-    c = make_train_step(cfg, opt, h).lower(state, b, np.int32(0), np.bool_(False), None).compile()
+    c = make_train_step(cfg, opt, h).lower(state, b, np.int32(0)).compile()
     args, outs = host_buffers(c.as_text())
     text = c.as_text()
     print(off, "host params", sum(args), "host results", sum(outs), "opt leaves", len(jax.tree.leaves(state["opt_state"])),

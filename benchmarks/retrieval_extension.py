@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="/tmp/moelab_rope_scaling", help="benchmarks/rope_scaling.py's --out")
     args = ap.parse_args()
-    from moelab.eval.tasks import evaluate_retrieval
+    from moelab.train.run_tasks import evaluate_retrieval
 
     runs = Path(args.runs)
     res = {"date": date.today().isoformat(), "lengths": LENGTHS, "depths": DEPTHS, "n": N, "chance": 0.25}

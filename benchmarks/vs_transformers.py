@@ -92,7 +92,7 @@ def jax_stepper(shape: dict, seed: int = 0):
     batches = [rng.integers(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), dtype=np.int32) for _ in range(4)]
 
     def step(i: int) -> float:
-        holder["state"], metrics = fn(holder["state"], batches[i % 4], np.int32(i), np.bool_(False))
+        holder["state"], metrics = fn(holder["state"], batches[i % 4], np.int32(i))
         return float(jax.block_until_ready(metrics["loss"]))
 
     return step, cfg

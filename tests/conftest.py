@@ -39,15 +39,6 @@ def random_batch(cfg, seed: int):
     return np.asarray(jax.random.randint(jax.random.PRNGKey(seed), shape, 0, cfg.model.vocab_size), np.int32)
 
 
-@pytest.fixture
-def no_mesh_left_behind():
-    """No test leaves an active mesh to the next (pmesh.set_active is process-wide)."""
-    yield
-    from moelab.parallel import mesh as pmesh
-
-    pmesh.set_active(None)
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moelab", *args], capture_output=True, text=True, cwd=ROOT)
 

@@ -22,7 +22,6 @@ METRICS = ("loss", "ce", "logit_z", "router_z_loss", "aux_loss", "dropped_frac_p
            "max_mean_load_per_layer", "router_entropy_per_layer", "expert_load", "grad_norm")  # fmt: skip
 
 
-pytestmark = pytest.mark.usefixtures("no_mesh_left_behind")
 _batch = random_batch
 
 
@@ -39,7 +38,7 @@ def _warm(sets, batch):
         opt = optim.make_optimizer(cfg, h)
         state, step = init_train_state(cfg, opt), make_train_step(cfg, opt, h)
         for s in range(3):
-            state, _ = step(state, _batch(cfg, 100 + s), np.int32(s), np.bool_(False), None)
+            state, _ = step(state, _batch(cfg, 100 + s), np.int32(s))
         _WARM[key] = jax.device_get(state)
     return _WARM[key]
 
@@ -55,7 +54,6 @@ def _train(sets, micro, mesh_shape=None, steps=2, batch=B, warm=None):
     if mesh_shape is not None:
         mesh = pmesh.auto_mesh(*mesh_shape)
         state = pmesh.shard_tree(state, mesh, fsdp=True)
-        pmesh.set_active(mesh, fsdp=True)
         shardings = jax.tree.map(lambda x: x.sharding, state)
     step = make_train_step(cfg, opt, h, shardings)
     metrics = []
@@ -63,9 +61,8 @@ def _train(sets, micro, mesh_shape=None, steps=2, batch=B, warm=None):
         batch = _batch(cfg, s)
         if mesh_shape is not None:
             batch = pmesh.put_batch(batch, mesh)
-        state, m = step(state, batch, np.int32(s), np.bool_(False), None)
+        state, m = step(state, batch, np.int32(s))
         metrics.append(jax.device_get(m))
-    pmesh.set_active(None)
     return jax.device_get(state), metrics
 
 
@@ -83,11 +80,9 @@ def test_micro_batches_keep_each_devices_rows():
     """On 4 devices of 4 rows each, micro-batch i of 2 holds rows 2i, 2i+1 of every device's block."""
     batch = jnp.arange(16 * 3).reshape(16, 3)
     mesh = pmesh.auto_mesh(4, 1)
-    pmesh.set_active(mesh)
-    got = np.asarray(micro_batches(batch, 2))
+    got = np.asarray(micro_batches(batch, 2, pmesh.Runtime(mesh).shards))
     rows = [[d * 4 + 2 * i + j for d in range(4) for j in range(2)] for i in range(2)]
     np.testing.assert_array_equal(got, np.asarray(batch)[np.asarray(rows)])
-    pmesh.set_active(None)
     np.testing.assert_array_equal(np.asarray(micro_batches(batch, 4)), np.asarray(batch).reshape(4, 4, 3))
 
 

@@ -12,9 +12,9 @@ from moelab.config import load_config
 from moelab.errors import RunRefused
 from moelab.lab.graph import Step, output_of
 from moelab.lab.steps import branch_step, train_step
-from moelab.runs import read_jsonl
-from moelab.train import optim
-from moelab.train.branch import branch_config, branch_point, start_branch
+from moelab.runs import branch_point, read_jsonl
+from moelab.schedule import hyper, lr_factor
+from moelab.train.branch import branch_config, start_branch
 from moelab.train.loop import train
 from test_train import _micro
 
@@ -22,8 +22,8 @@ WSD = ["train.schedule=wsd", "train.decay_frac=0.2", "train.warmup_frac=0.1", "t
 
 
 def rates(cfg, n):
-    h = optim.hyper(cfg)
-    return h.peak_lr * np.asarray(optim.lr_factor(np.arange(n), h), np.float64)
+    h = hyper(cfg)
+    return h.peak_lr * np.asarray(lr_factor(np.arange(n), h), np.float64)
 
 
 def test_the_branch_schedule_is_the_parents_then_the_new_horizon():
@@ -85,7 +85,7 @@ def test_branch_from_a_checkpoint_equals_the_branch_trained_from_scratch(corpus,
     assert [(r["step"], r["loss"], r["lr"]) for r in branch] == [(r["step"], r["loss"], r["lr"]) for r in scratch]
     # and it follows the schedule asked for, not the parent's: stable to step 14, then the decay to 0.05x
     lr = {r["step"]: r["lr"] for r in branch}
-    peak = optim.hyper(parent_cfg).peak_lr
+    peak = hyper(parent_cfg).peak_lr
     assert lr[14] == pytest.approx(peak) and lr[18] == pytest.approx(0.05 * peak, rel=1e-5)
     assert {r["step"]: r["lr"] for r in parent}[18] == pytest.approx(peak)  # the parent was still stable there
     assert [r["step"] for r in recs("branch", "eval")] == [r["step"] for r in recs("scratch", "eval")]

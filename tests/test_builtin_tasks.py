@@ -1,7 +1,7 @@
-"""The built-in tasks (moelab.eval.builtin): the shipped files load and every answer is right by a check
-of its own (the source file's text, a bracket matcher that scans characters, a pattern for
-definitions); every source document is held out; regeneration gives the same bytes; the retrieval
-generator puts its key where its metadata says, at the depth and length asked."""
+"""The built-in tasks (moelab.eval.builtin, moelab.eval.code_tasks): the shipped files load and every
+answer is right by a check of its own (the source file's text, a bracket matcher that scans characters,
+a pattern for definitions); every source document is held out; regeneration gives the same bytes; the
+retrieval generator puts its key where its metadata says, at the depth and length asked."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from moelab.data.sources import is_held_out, stdlib_root
 from moelab.errors import UsageError
 from moelab.eval import builtin as B
+from moelab.eval import code_tasks as C
 from moelab.eval.tasks import load_task
 
 
@@ -94,7 +95,7 @@ def test_next_line_answer_follows_its_context_in_the_source_file(regenerated):
         for r in rows("next_line", folder):
             answer = r["choices"][r["answer"]]
             indent = answer[: len(answer) - len(answer.lstrip())]
-            assert r["context"].endswith("\n") and len(r["context"]) <= B.MAX_CONTEXT
+            assert r["context"].endswith("\n") and len(r["context"]) <= C.MAX_CONTEXT
             for j, c in enumerate(r["choices"]):
                 assert c[: len(c) - len(c.lstrip())] == indent and len(c.strip()) >= 8  # indentation gives nothing away
                 assert j == r["answer"] or c.strip() != answer.strip()
@@ -141,7 +142,7 @@ def test_brackets_answer_matches_a_naive_matcher(regenerated):
             assert found is not None, r["meta"]
             opener, at = found
             assert {"(": ")", "[": "]", "{": "}"}[opener] == r["choices"][r["answer"]].strip(), r["meta"]
-            assert len(r["context"]) - at <= B.MAX_EVIDENCE and len(r["context"]) <= B.MAX_CONTEXT
+            assert len(r["context"]) - at <= C.MAX_EVIDENCE and len(r["context"]) <= C.MAX_CONTEXT
 
 
 def test_defined_name_is_defined_in_the_context_and_the_others_nowhere(regenerated):
@@ -151,8 +152,8 @@ def test_defined_name_is_defined_in_the_context_and_the_others_nowhere(regenerat
             name = names[r["answer"]]
             defined = rf"(?:\b(?:def|class)\s+{name}\b)|(?:^[ \t]*{name}\s*=(?!=))"
             at = [m.start() for m in re.finditer(defined, ctx, re.MULTILINE)]
-            assert at and at[-1] >= len(ctx) - B.MAX_EVIDENCE, (name, r["meta"])  # within the model's reach
-            assert len(ctx) <= B.MAX_CONTEXT
+            assert at and at[-1] >= len(ctx) - C.MAX_EVIDENCE, (name, r["meta"])  # within the model's reach
+            assert len(ctx) <= C.MAX_CONTEXT
             for j, other in enumerate(names):
                 if j != r["answer"]:
                     assert not re.search(rf"\b{other}\b", ctx), (other, r["meta"])

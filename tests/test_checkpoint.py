@@ -183,6 +183,40 @@ ck.close()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000001", "step_00000002"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd's file through /proc")
+def test_a_local_save_is_synced_before_its_rename_and_its_parent_after(tmp_path, monkeypatch):
+    """Durability on a local disk, seen through os.fsync (each call's file named by /proc, so by where
+    it lies then): every file and folder of the checkpoint is synced while it is still the temporary
+    folder, and the renamed folder, Orbax's commit records in it and the parent are synced after the
+    rename, all before the save counts as complete."""
+    root, events = tmp_path / "ck", []
+    fsync = os.fsync
+
+    def recorded(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    monkeypatch.setattr(checkpoint, "_stage", lambda name, step: events.append(("stage", name)))
+    ck = Checkpoints(root, background=True, on_complete=lambda info: events.append(("complete", info["step"])))
+    ck.save(1, _state(1), {"step": 1})
+    ck.close()
+
+    final, tmp = root.resolve() / "step_00000001", root.resolve() / f"step_00000001{checkpoint.TMP}"
+    synced = [p for kind, p in events if kind == "fsync"]
+    at = {e: i for i, e in reversed(list(enumerate(events)))}  # each event's first place
+    last = {e: i for i, e in enumerate(events)}
+    tree = [final, *final.rglob("*")]
+    before = {str(tmp / p.relative_to(final)) for p in tree}  # each file and folder, as it lay before the rename
+    assert before <= set(synced), sorted(before - set(synced))
+    assert max(last["fsync", p] for p in before) < at["stage", "synced"]  # all of it before Orbax's commit
+    after = [str(final), str(final / "_CHECKPOINT_METADATA"), str(final / checkpoint.COMMIT), str(root.resolve())]
+    assert set(after) <= set(synced), sorted(set(after) - set(synced))
+    assert at["stage", "synced"] < min(at["fsync", p] for p in after)
+    assert max(last["fsync", p] for p in after) < at["stage", "committed"] < at["complete", 1]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+
+
 def test_a_failed_background_save_is_raised_and_keeps_the_older_ones(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     _save_all(root, [1, 2], keep_last=1, background=False)

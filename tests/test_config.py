@@ -321,3 +321,24 @@ def test_meanings_leave_every_hash_as_it_was():
     assert config_hash(load_config("tiny")) == "d68c6842fca8"
     assert config_hash(load_config("marin-535b-a23b")) == "77e2a7fe5e84"
     assert config_hash(load_config({})) == "c16bcb5732df"
+
+
+def test_the_config_package_imports_nothing_above_it():
+    """moelab.config lies below everything that reads a config: its modules import, at their top and
+    nowhere else, only each other and the modules below (errors, presets, the schedule's parser)."""
+    import ast
+    from pathlib import Path
+
+    import moelab.config
+
+    below = ("moelab.errors", "moelab.presets", "moelab.schedule")
+    for path in sorted(Path(moelab.config.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in (n for n in names if n == "moelab" or n.startswith("moelab.")):
+                assert name.startswith("moelab.config.") or name in below, (path.name, name)
+                assert node in top, f"{path.name}: {name} imported inside a function"

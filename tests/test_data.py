@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT
 from moelab.cli import main
 from moelab.config import load_config, replace
+from moelab.data import readers as R
 from moelab.data import sources as S
 from moelab.data import store as store_mod
 from moelab.data import tokenizer as T
@@ -411,8 +412,8 @@ def test_a_large_file_is_read_as_a_stream_into_the_same_pieces(tmp_path, monkeyp
     (root / "big.txt").write_text(text, encoding="utf-8")
     (root / "small.txt").write_text("short\n")
     expect = [(p.doc_id, p.text) for p in S.pieces(S.Document("big", "big.txt", text), 3000)]
-    monkeypatch.setattr(S, "STREAM_BYTES", 10_000)
-    monkeypatch.setattr(S, "MAX_PIECE_CHARS", 3000)
+    monkeypatch.setattr(R, "STREAM_BYTES", 10_000)  # the text reader's own
+    monkeypatch.setattr(R, "MAX_PIECE_CHARS", 3000)
     got = [(d.doc_id, d.text) for d in S.iter_documents(S.resolve([str(root)])[0]) if d.doc_id != "small.txt"]
     assert got == expect and len(got) > 10
     (root / "big.txt").write_bytes(text.encode("utf-8") + b"\xff tail")  # not UTF-8 near its end
@@ -465,3 +466,21 @@ def test_the_data_seed_moves_the_batches_and_leaves_the_initialisation(corpus, t
     assert runs["seed7"][1] != runs["seed0"][1]  # train.seed still moves the initialisation
     with pytest.raises(ConfigError, match="train.data_seed"):
         load_config("tiny", ["train.data_seed=-2"])
+
+
+def test_a_zstd_file_cut_inside_a_later_frame_is_one_line(tmp_path):
+    """A multi-frame .zst cut inside its second frame is refused in one line naming the file (zstandard's
+    own stream reader would end there quietly, a truncated shard read as a shorter one)."""
+    import zstandard
+
+    z = zstandard.ZstdCompressor()
+    lines = [json.dumps({"text": f"document {i} " * 40}).encode() + b"\n" for i in range(200)]
+    whole = z.compress(b"".join(lines[:100])) + z.compress(b"".join(lines[100:]))
+    path = tmp_path / "two.jsonl.zst"
+    path.write_bytes(whole)
+    assert len(list(S.iter_documents(S.resolve([str(path)])[0]))) == 200
+    path.write_bytes(whole[:-50])
+    with pytest.raises(
+        S.DataError, match=r"two.jsonl.zst: cannot be read \(EOFError: the zstd stream ends inside a frame\)"
+    ):
+        list(S.iter_documents(S.resolve([str(path)])[0]))

@@ -23,12 +23,6 @@ from reference import jaxpr_eqns, moe_reference, reference_choices
 TRANSPORTS = ["fixed", "spill", "pooled_wave"]
 
 
-@pytest.fixture(autouse=True)
-def _no_mesh_left_behind():
-    yield
-    pmesh.set_active(None)
-
-
 OPS = ExpertOps(moe.expert_ffn, moe.place_capacity, moe.place_spill, moe._ranks, moe.dropless)
 
 
@@ -50,15 +44,14 @@ def layer(**model):
 
 
 def run_block(m, p, x, bias, dispatch, mesh=None):
-    pmesh.set_active(mesh)
+    runtime = pmesh.Runtime(mesh)
     probe = jax.random.normal(jax.random.PRNGKey(3), x.shape)
 
     def f(p, x):
-        y, metrics, _ = moe_block(p, x, bias, m, dispatch)
+        y, metrics, _ = moe_block(p, x, bias, m, dispatch, runtime)
         return jnp.sum(y * probe), (y, metrics)
 
     (_, (y, metrics)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(p, x)
-    pmesh.set_active(None)
     return y, metrics, grads
 
 
@@ -195,10 +188,9 @@ def test_dropless_equals_one_device_with_buffers_of_at_most_t_times_k_rows(case,
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # every buffer that travels, forward and backward, holds at most t*k rows (t = one device's tokens)
     t = x.shape[0] * x.shape[1] // 8
-    pmesh.set_active(mesh)
-    grad = jax.grad(lambda p, x: jnp.sum(moe_block(p, x, bias, m, "dropless")[0]), argnums=(0, 1))
+    on_mesh = pmesh.Runtime(mesh)
+    grad = jax.grad(lambda p, x: jnp.sum(moe_block(p, x, bias, m, "dropless", on_mesh)[0]), argnums=(0, 1))
     rows = exchanged_rows(grad, p, x)
-    pmesh.set_active(None)
     assert len(rows) >= 4  # out and back, forward and backward
     assert max(rows) <= max(t * m.top_k, 8), rows
 
@@ -279,16 +271,15 @@ def test_quantile_bias_on_a_mesh_counts_instead_of_gathering():
     bias = 0.2 * jax.random.normal(jax.random.PRNGKey(1), (e,))
     ref = rt.quantile_bias(logits, bias, k)  # one device: jnp.quantile
     mesh = mesh_of(2, 4)
-    pmesh.set_active(mesh)
+    on_mesh = pmesh.Runtime(mesh)
     sharded = jax.device_put(logits, NamedSharding(mesh, P(pmesh.BATCH)))
-    fn = jax.jit(lambda x, b: rt.quantile_bias(x, b, k))
+    fn = jax.jit(lambda x, b: rt.quantile_bias(x, b, k, on_mesh))
     got = fn(sharded, bias)
     hlo = fn.lower(sharded, bias).compile().as_text()
     m = config_from_dict({"model": {"n_routed": e, "top_k": k, "n_kv_heads": 1, "spill_choices": 2}}).model
-    route = jax.jit(lambda x, b: rt.route(x, b, m).order)  # the top choices, each device its own tokens
+    route = jax.jit(lambda x, b: rt.route(x, b, m, on_mesh).order)  # the top choices, each device its own tokens
     order = route(sharded, bias)
     route_hlo = route.lower(sharded, bias).compile().as_text()
-    pmesh.set_active(None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-6)
     assert "all-gather" not in hlo and "all-to-all" not in hlo
     assert "all-reduce" in hlo  # the counts

@@ -228,8 +228,8 @@ def test_forecast_reads_a_schedule_the_rungs_never_ran(tmp_path):
 def test_replan_forecasts_the_new_schedule(tmp_path):
     """`moelab replan` re-forecasts by the law at the re-planned schedule: at a few steps the new
     forecast.json equals the fitted law computed by hand on the hand-made re-planned rate."""
-    from moelab.ladder.replan import replan
     from moelab.train import checkpoint
+    from moelab.train.replan import replan
 
     truth = L.LawFit("lr-annealing", (1.3, 1.2, 2.0, 0.8), {"alpha": 0.3, "beta": 0.3, "log_t": -3.0}, 3e4, 3e5)
     dirs = [str(d) for d in ladder_dirs(tmp_path, truth)]

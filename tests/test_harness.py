@@ -114,8 +114,9 @@ def test_harness_runs_a_local_task_and_agrees_with_moelab(tiny_run, corpus, tmp_
     from tokenizers import Tokenizer
 
     from moelab.eval.harness import evaluate_harness
-    from moelab.eval.tasks import evaluate_tasks, load_task, score
+    from moelab.eval.tasks import load_task, score
     from moelab.export import load_trained
+    from moelab.train.run_tasks import evaluate_tasks
     from test_export import moelab_logits
 
     data = _next_line_task(corpus, tmp_path / "next_line.jsonl")

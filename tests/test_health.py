@@ -134,14 +134,14 @@ def test_a_schedule_bug_in_the_optimiser_is_caught_by_the_rate_it_applied(corpus
 
 def test_the_reference_schedule_is_the_definition_not_the_code_that_sets_the_rate():
     """monitor/reference.py against hand-computed rates (warm-up, the linear and wsd decays, a re-plan
-    that keeps the peak and one that re-anchors a decay), and equal to optim.lr_factor on these."""
+    that keeps the peak and one that re-anchors a decay), and equal to schedule.lr_factor on these."""
     from moelab.monitor.reference import reference_factors
-    from moelab.train import optim
+    from moelab.schedule import hyper, lr_factor
 
     def factors(*sets):
         cfg = load_config("tiny", list(sets))
         ours = reference_factors(cfg.train)
-        theirs = np.asarray(optim.lr_factor(np.arange(cfg.train.steps), optim.hyper(cfg)), np.float64)
+        theirs = np.asarray(lr_factor(np.arange(cfg.train.steps), hyper(cfg)), np.float64)
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
         return ours
 
@@ -166,14 +166,14 @@ def test_a_bug_in_the_schedule_function_itself_is_caught(corpus, tmp_path, monke
     peak): the optimiser applies it and reports it, and the plan is the schedule's definition written
     apart, so lr_schedule ALERTs where the rates part."""
     from conftest import MICRO
+    from moelab import schedule
     from moelab.runs import read_jsonl
-    from moelab.train import optim
     from moelab.train.loop import train
 
     cfg = load_config("tiny", [*MICRO, f"data.sources=[{corpus['code']}, {corpus['prose']}]", "train.steps=20",
                                "train.warmup_frac=0.25", "train.eval_every=20"])  # fmt: skip
-    right = optim._planned_factor
-    monkeypatch.setattr(optim, "_planned_factor", lambda s, h, n: right(s, h, n) * jnp.where(s >= 10, 0.5, 1.0))
+    right = schedule._planned_factor
+    monkeypatch.setattr(schedule, "_planned_factor", lambda s, h, n: right(s, h, n) * jnp.where(s >= 10, 0.5, 1.0))
     train(cfg, tmp_path / "bug", progress=False)
     alerts_at = [e["step"] for e in read_jsonl(tmp_path / "bug" / "events.jsonl")
                  if e["event"] == "health" and e["check"] == "lr_schedule" and e["level"] == "ALERT"]  # fmt: skip

@@ -17,12 +17,6 @@ from moelab.train import checkpoint, optim
 from moelab.train.step import init_train_state, make_train_step
 
 
-@pytest.fixture(autouse=True)
-def _no_mesh_left_behind():
-    yield
-    pmesh.set_active(None)
-
-
 def test_rules_by_hand():
     sizes = {"data": 4, "expert": 2}
     both = ("data", "expert")
@@ -86,26 +80,26 @@ def test_fsdp_step_equals_single_device(shape, case):
     one = make_train_step(cfg, opt, h)
     state = init_train_state(cfg, opt)
     for s in range(3):
-        state, _ = one(state, _batch(cfg, s), np.int32(s), np.bool_(False), None)
+        state, _ = one(state, _batch(cfg, s), np.int32(s))
     host = jax.device_get(state)
     batch = _batch(cfg, 9)
 
-    def grads_of(params, model_state, b):
-        return jax.grad(lambda p: loss_fn(p, model_state, b[:, :-1], b[:, 1:], cfg.model)[0])(params)
+    def grads_of(params, model_state, b, runtime=pmesh.ONE):
+        return jax.grad(lambda p: loss_fn(p, model_state, b[:, :-1], b[:, 1:], cfg.model, runtime=runtime)[0])(params)
 
     g_ref = jax.jit(grads_of)(host["params"], host["model_state"], batch)
-    ref, m_ref = one(jax.tree.map(jnp.asarray, host), batch, np.int32(3), np.bool_(False), None)
+    ref, m_ref = one(jax.tree.map(jnp.asarray, host), batch, np.int32(3))
 
     mesh = pmesh.auto_mesh(*shape)
     sharded = pmesh.shard_tree(jax.tree.map(jnp.asarray, host), mesh, fsdp=True)
     wq = sharded["params"]["layers"]["wq"]  # FSDP is on: each device holds 1/8 of d_model
     assert wq.addressable_shards[0].data.shape[1] == cfg.model.d_model // 8
-    pmesh.set_active(mesh, fsdp=True)
     shardings = jax.tree.map(lambda x: x.sharding, sharded)
     b = pmesh.put_batch(batch, mesh)
-    g = jax.jit(grads_of)(sharded["params"], sharded["model_state"], b)
+    fsdp = pmesh.Runtime(mesh, fsdp=True)
+    g = jax.jit(lambda p, s, b: grads_of(p, s, b, fsdp))(sharded["params"], sharded["model_state"], b)
     step = make_train_step(cfg, opt, h, shardings)
-    new, m = step(sharded, b, np.int32(3), np.bool_(False), None)
+    new, m = step(sharded, b, np.int32(3))
 
     assert float(m["loss"]) == pytest.approx(float(m_ref["loss"]), abs=1e-5)
     for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
@@ -157,8 +151,7 @@ def test_evaluation_under_the_mesh_equals_one_device(shape):
             for d in ("dropless", "capacity")}  # fmt: skip
     mesh = pmesh.auto_mesh(*shape)
     sharded = pmesh.shard_tree(state, mesh, fsdp=True)
-    pmesh.set_active(mesh, fsdp=True)
-    nll = make_eval_step(cfg)
+    nll = make_eval_step(cfg, mesh)
     args = [pmesh.put_batch(np.ascontiguousarray(a), mesh) for a in (rows[:, :-1], rows[:, 1:], mask)]
     for d, (total, count) in want.items():
         got_total, got_count = nll(sharded["params"], sharded["model_state"], *args, dispatch=d)

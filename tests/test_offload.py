@@ -24,7 +24,6 @@ from moelab.train.step import init_train_state, make_train_step, offload_state
 SETS = MICRO + ["model.remat=layer", "model.n_layers=2", "model.sliding_window=0", "train.batch_size=8"]
 
 
-pytestmark = pytest.mark.usefixtures("no_mesh_left_behind")
 _batch = random_batch
 
 
@@ -37,7 +36,6 @@ def _steps(offload, mesh_shape=None, n=2):
     if mesh_shape:
         mesh = pmesh.auto_mesh(*mesh_shape)
         state = pmesh.shard_tree(state, mesh, fsdp=True)
-        pmesh.set_active(mesh, fsdp=True)
     state = offload_state(state, cfg)
     if mesh_shape:
         shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -46,7 +44,7 @@ def _steps(offload, mesh_shape=None, n=2):
     b = _batch(cfg, 0)
     for s in range(n):
         b = _batch(cfg, s) if not mesh_shape else pmesh.put_batch(_batch(cfg, s), mesh)
-        state, m = step(state, b, np.int32(s), np.bool_(False), None)
+        state, m = step(state, b, np.int32(s))
         losses.append(float(m["loss"]))
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"])}
     return (jax.device_get(state) if n else None), losses, kinds, (step, state, b)
@@ -68,7 +66,7 @@ def test_compiled_program_keeps_optimizer_state_in_host_memory():
     (S(5)), nothing else; without offload, nothing."""
     for offload in ("optimizer", "none"):
         _, _, _, (step, state, b) = _steps(offload, n=0)
-        hlo = step.lower(state, b, np.int32(1), np.bool_(False), None).compile().as_text()
+        hlo = step.lower(state, b, np.int32(1)).compile().as_text()
         args, outs = host_buffers(hlo)
         want_state = [path[0].key == "opt_state" and offload != "none"
                       for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]  # fmt: skip
@@ -89,13 +87,14 @@ def test_block_inputs_are_saved_in_host_memory():
     block = (cfg.train.batch_size, m.seq_len, m.d_model)
     n_blocks = tr.scan_blocks(m)[1] // tr.scan_blocks(m)[0]
 
-    def f(p):
-        return loss_fn(p, state, tokens[:, :-1], tokens[:, 1:], m)[0]
+    def f(p, runtime=pmesh.ONE):
+        return loss_fn(p, state, tokens[:, :-1], tokens[:, 1:], m, runtime=runtime)[0]
+
+    offloading = pmesh.Runtime(offload_inputs=True)  # as the train step traces with train.offload layer_inputs
 
     def saved(offload):
         if offload:
-            with tr.offloading_block_inputs():
-                return residuals(f, params)
+            return residuals(lambda p: f(p, offloading), params)
         return residuals(f, params)
 
     def inputs(kept):
@@ -105,8 +104,7 @@ def test_block_inputs_are_saved_in_host_memory():
     assert len(device) == 1 and not on_host(device[0])
     assert len(host) == 1 and on_host(host[0])
     assert not any(on_host(a) for a in saved(True) if a not in host)  # nothing else moved
-    with tr.offloading_block_inputs():
-        text = jax.jit(jax.grad(f)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(lambda p: f(p, offloading))).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("annotate_device_placement") >= 2 and '_xla_buffer_placement = "pinned_host"' in text
 
 
@@ -126,8 +124,8 @@ def test_each_layer_remat_computes_the_same_and_keeps_each_layers_input(equal):
     params = init_train_state(cfg, optim.make_optimizer(cfg, optim.hyper(cfg)))["params"]
     tokens = jnp.asarray(_batch(cfg, 1))
 
-    def f(p, m):
-        return loss_fn(p, tr.init_state(m), tokens[:, :-1], tokens[:, 1:], m)[0]
+    def f(p, m, runtime=pmesh.ONE):
+        return loss_fn(p, tr.init_state(m), tokens[:, :-1], tokens[:, 1:], m, runtime=runtime)[0]
 
     each = load_config(cfg, ["model.remat=each_layer"]).model
     if equal:
@@ -138,8 +136,7 @@ def test_each_layer_remat_computes_the_same_and_keeps_each_layers_input(equal):
         return
     shape = (cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model)
     period, n_full = tr.scan_blocks(each)
-    with tr.offloading_block_inputs():
-        kept = residuals(lambda p: f(p, each), params)
+    kept = residuals(lambda p: f(p, each, pmesh.Runtime(offload_inputs=True)), params)
     host = [a for a in kept if on_host(a)]
     # each period's input, on the host (its layers' inputs live only while it is recomputed)
     assert len(host) == 1 and tuple(host[0].shape) == (n_full // period,) + shape

@@ -10,16 +10,15 @@ import pytest
 
 from conftest import MICRO, run_cli
 from moelab.config import ConfigError, load_config
-from moelab.ladder.replan import phase_boundaries
 from moelab.runs import read_jsonl
-from moelab.train import optim
+from moelab.schedule import hyper, lr_factor, phase_boundaries
 from test_forecast import synthetic_rung
 from test_train import _train_cli
 
 
 def lrs(cfg, n):
-    h = optim.hyper(cfg)
-    return np.array([float(optim.lr_factor(s, h)) for s in range(n)])
+    h = hyper(cfg)
+    return np.array([float(lr_factor(s, h)) for s in range(n)])
 
 
 def test_linear_decay_is_re_timed_from_the_current_rate_to_the_new_end():

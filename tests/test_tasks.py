@@ -161,10 +161,10 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
     run folder exists."""
     from conftest import MICRO
     from moelab.config import load_config
-    from moelab.eval.tasks import evaluate_tasks
-    from moelab.report.site import run_plots
+    from moelab.report.plots import run_plots
     from moelab.runs import read_jsonl
     from moelab.train.loop import train
+    from moelab.train.run_tasks import evaluate_retrieval, evaluate_tasks
 
     task = tmp_path / "mine.jsonl"
     task.write_text("\n".join(json.dumps(r) for r in [
@@ -191,8 +191,6 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
 
     assert _flat(evals[-1])["tasks/mine/acc"] == evals[-1]["tasks"]["mine"]["acc"]
     # the retrieval task at the model's whole context, keys at both ends; past the context: one line
-    from moelab.eval.tasks import evaluate_retrieval
-
     got = evaluate_retrieval(run, [64], (0.0, 1.0), n=2, progress=False)
     assert set(got["acc"]) == {"64@0", "64@1"} and all(v in (0.0, 0.5, 1.0) for v in got["acc"].values())
     assert (run / "evals" / "step_00000004-retrieval.json").is_file()

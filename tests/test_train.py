@@ -113,7 +113,7 @@ def test_optimizers_train_and_skip_decay_on_norms_and_embeddings(name):
     )
     step = make_train_step(cfg, opt, h)
     for s in range(30):
-        state, metrics = step(state, batch, np.int32(s), np.bool_(False))
+        state, metrics = step(state, batch, np.int32(s))
     assert bool(metrics["finite"]) and float(metrics["loss"]) < first - 1.0
     assert float(metrics["lr"]) == pytest.approx(h.peak_lr * float(optim.lr_factor(29, h)), rel=1e-6)
 
@@ -244,15 +244,16 @@ def test_a_non_finite_step_changes_nothing():
     h = optim.hyper(cfg)
     opt = optim.make_optimizer(cfg, h)
     state = init_train_state(cfg, opt)
-    step = make_train_step(cfg, opt, h)
+    step = make_train_step(cfg, opt, h, faults=True)  # compiled with fault arguments: poison makes the loss NaN
     batch = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 512))
-    state, _ = step(state, batch, np.int32(0), np.bool_(False))  # nonzero moments and biases
+    none = {"lr_scale": np.float32(1), "logit_z_scale": np.float32(1), "freeze_bias": np.bool_(False)}
+    state, _ = step(state, batch, np.int32(0), {**none, "poison": np.bool_(False)})  # nonzero moments and biases
     before = jax.tree.map(np.array, state)
-    after, metrics = step(state, batch, np.int32(1), np.bool_(True))
+    after, metrics = step(state, batch, np.int32(1), {**none, "poison": np.bool_(True)})
     assert not bool(metrics["finite"])
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
-    moved, metrics = step(after, batch, np.int32(1), np.bool_(False))
+    moved, metrics = step(after, batch, np.int32(1), {**none, "poison": np.bool_(False)})
     assert bool(metrics["finite"])
     assert not np.array_equal(np.asarray(moved["params"]["head"]), before["params"]["head"])
 

@@ -146,6 +146,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return jsonl.read(path)
 
 
+def branch_point(run_dir: str | Path) -> dict | None:
+    """The ``branch`` event of a run that was branched from another (parent, step), else None."""
+    for e in read_jsonl(Path(run_dir) / "events.jsonl"):
+        if e.get("event") == "branch":
+            return e
+    return None
+
+
 def git_state() -> dict:
     root = Path(__file__).resolve().parents[2]
     try:

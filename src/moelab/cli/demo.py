@@ -121,7 +121,8 @@ def run_demo(experiment: str | None = None, prefix: str = "runs/lab", site: str 
 
     from moelab.lab.commands import load_experiment
     from moelab.lab.executor import Runner
-    from moelab.report.site import build_site, forecast_figure
+    from moelab.report.plots import forecast_figure
+    from moelab.report.site import build_site
 
     t0 = time.time()
     if experiment is None and not (EXAMPLE.is_file() and DEMO_LADDER.is_file()):  # an install without the clone

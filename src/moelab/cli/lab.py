@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from moelab.lab.commands import status_rows
+    from moelab.lab.journal import status_rows
 
     if not Path(args.prefix).is_dir():
         if args.prefix == DEFAULT_PREFIX and not Path(args.prefix).exists():  # a fresh checkout: nothing yet

@@ -225,7 +225,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_replan(args: argparse.Namespace) -> int:
-    from moelab.ladder.replan import replan
+    from moelab.train.replan import replan
 
     if args.tokens <= 0:
         raise UsageError(f"--tokens: must be > 0, got {args.tokens:g}")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from moelab.cli.common import add_config_args, positive_int, print_summary
 from moelab.config import load_config, resolve_dtype
 from moelab.errors import UsageError
+from moelab.train.supervise import supervise
 
 
 def _train_config(args: argparse.Namespace):
@@ -43,37 +45,43 @@ def _train_config(args: argparse.Namespace):
     return cfg
 
 
+def _train_parser() -> argparse.ArgumentParser:
+    """`moelab train`'s parser as register builds it (to write a parsed command back as arguments)."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    return sub.choices["train"]
+
+
 def _child_args(args: argparse.Namespace) -> list[str]:
-    out = ([args.config] if args.config else []) + ["--out", args.out]
-    if args.steps is not None:
-        out += ["--steps", str(args.steps)]
-    if args.seed is not None:
-        out += ["--seed", str(args.seed)]
-    for d in args.data or []:
-        out += ["--data", d]
-    for o in args.overrides:
-        out += ["--set", o]
-    for t in args.tracker or []:
-        out += ["--tracker", t]
-    for spec in args.inject or []:
-        out += ["--inject", spec]
-    if args.resume:
-        out.append("--resume")
-    if args.devices:
-        out += ["--devices", str(args.devices)]
-    if args.quiet:
-        out.append("--quiet")
+    """A supervised process's command: this process's own arguments as parsed (its --coordinator,
+    --process-id and the rest) without --max-restarts, each option that differs from its default
+    written back as ``--flag=value`` (a value such as ``-1`` is then never read as a flag)."""
+    out = []
+    for action in _train_parser()._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest in ("help", "max_restarts") or value == action.default:
+            continue
+        if not action.option_strings:  # the config
+            out.insert(0, value)
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # --resume, --quiet
+            out.append(flag)
+        elif isinstance(value, list):  # --set, --data, --tracker, --inject (repeatable)
+            out += [f"{flag}={v}" for v in value]
+        else:
+            out.append(f"{flag}={value}")
     return out
 
 
-def _join_job(args: argparse.Namespace) -> None:
-    """Join a multi-process job through ``jax.distributed`` (flags, or MOELAB_COORDINATOR,
-    MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID)."""
+def _job(args: argparse.Namespace) -> tuple[str, int, int] | None:
+    """This process's place in a multi-process job, (coordinator, processes, process id), from the flags
+    or MOELAB_COORDINATOR, MOELAB_NUM_PROCESSES and MOELAB_PROCESS_ID; None outside one."""
     import os
 
     coordinator = args.coordinator or os.environ.get("MOELAB_COORDINATOR")
     if not coordinator:
-        return
+        return None
     try:
         n = int(args.num_processes or os.environ.get("MOELAB_NUM_PROCESSES", ""))
         pid = int(args.process_id if args.process_id is not None else os.environ.get("MOELAB_PROCESS_ID", ""))
@@ -82,10 +90,15 @@ def _join_job(args: argparse.Namespace) -> None:
                          "with --coordinator") from None  # fmt: skip
     if not 0 <= pid < n:
         raise UsageError(f"--process-id: {pid} is not in [0, {n})")
+    return coordinator, n, pid
+
+
+def _join_job(job: tuple[str, int, int]) -> None:
+    """Join the multi-process job through ``jax.distributed`` (never in a supervisor: its children join)."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices talk over gloo; GPUs ignore it
-    jax.distributed.initialize(coordinator, n, pid)
+    jax.distributed.initialize(*job)
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -164,9 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     _check_out(args)
     cfg = _train_config(args)  # refuse a bad config before anything starts
-    import os
-
-    job = bool(args.coordinator or os.environ.get("MOELAB_COORDINATOR"))  # --devices: this process's share
+    job = _job(args)  # refused here, before anything starts; in a job --devices is this process's share
     if not job and args.devices is not None and args.devices != cfg.mesh.data * cfg.mesh.expert:
         raise UsageError(
             f"--devices {args.devices}: the config's mesh is mesh.data x mesh.expert = {cfg.mesh.data} x "
@@ -177,11 +188,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         fit_check(resolve_dtype(cfg))  # a run that cannot fit is refused before anything is written
     _make_out(args.out)
-    _join_job(args)
-    if args.max_restarts:
-        from moelab.train.supervise import supervise
-
-        return supervise(_child_args(args), args.out, args.max_restarts)
+    if args.max_restarts:  # the supervisor joins no job and loads no JAX: each child is the process itself
+        records = Path(args.out) / f".process-{job[2]}" if job and job[2] else Path(args.out)
+        return supervise(_child_args(args), args.out, args.max_restarts, records=records)
+    if job:
+        _join_job(job)
     from moelab.train.loop import train
     from moelab.train.trackers import make_trackers
 
@@ -206,7 +217,7 @@ def _numbers(text: str, flag: str, kind):
 def _retrieval(args: argparse.Namespace) -> int:
     import json as _json
 
-    from moelab.eval.tasks import evaluate_retrieval
+    from moelab.train.run_tasks import evaluate_retrieval
 
     lengths, depths = _numbers(args.retrieval, "--retrieval", int), _numbers(args.depths, "--depths", float)
     if not lengths or not depths:
@@ -234,7 +245,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.retrieval is not None:
         return _retrieval(args)
     if args.tasks:
-        from moelab.eval.tasks import evaluate_tasks
+        from moelab.train.run_tasks import evaluate_tasks
 
         res = evaluate_tasks(args.run_dir, args.tasks, args.checkpoint, progress=not args.json)
         if args.json:

@@ -26,16 +26,13 @@ import hashlib
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moelab.config import Config, data_seed
-from moelab.data.sources import DataError
+from moelab.data.tokenstore import TokenStore
+from moelab.errors import DataError
 from moelab.schedule import phase_boundaries
-
-if TYPE_CHECKING:
-    from moelab.data.store import TokenStore
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment

@@ -23,6 +23,10 @@ is f). A domain where that holds out none of its documents, or all of them (a do
 documents: with n documents, none is held out with probability (1 - f)^n), is split by position
 instead: its last ceil(f x tokens) tokens are held out. f = 0 holds out nothing. Validation
 sources (``data.validation``) are held out whole and never trained on.
+
+Here: the build (planning the units, running them, assembling the store). One unit's tokenizing and
+the runners (processes, Ray tasks) are in ``moelab.data.encode``; reading a built store
+(``TokenStore``, ``open_store``) is ``moelab.data.tokenstore``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,74 +46,28 @@ import numpy as np
 from moelab.config import DataConfig
 from moelab.data import sources as S
 from moelab.data import tokenizer as T
+from moelab.data.encode import (  # noqa: F401 - the batch sizes, importable from here
+    DOC,
+    ENCODE_BATCH_CHARS,
+    ENCODE_BATCH_DOCS,
+    Local,
+    Ray,
+    Unit,
+    encode_unit,
+)
+from moelab.data.tokenstore import INDEX, TokenStore, open_store
+from moelab.progress import Progress, say
 
 EOT = "<|endoftext|>"
 STORE_VERSION = 2
 UNIT_BYTES = 32 << 20  # consecutive shards of a domain are tokenized together up to this many bytes
 TOKENIZER_CHARS = 64 << 20  # the tokenizer learns from at most this much text, shared out over the domains
-ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call while encoding
-ENCODE_BATCH_DOCS = 8192
 QUIET_BYTES = 4 << 20  # a build from less input than this says nothing (it takes a second or two)
-DOC = np.dtype([("tokens", "<u8"), ("bytes", "<u8"), ("hash", "<u8"), ("row", "<u8"), ("file", "<u4")])
-INDEX = np.dtype(
-    [("domain", "<u2"), ("split", "u1"), ("unit", "<u4"), ("file", "<u4"), ("row", "<u8"),
-     ("start", "<u8"), ("tokens", "<u8"), ("bytes", "<u8")]
-)  # fmt: skip
-SPLITS = ("train", "heldout")
 
 
 def train_tokenizer(texts, vocab_size: int):
     """A byte-level BPE with ``EOT`` as token 0 (the ``tokenizers`` object)."""
     return T.train(texts, vocab_size).tokenizer
-
-
-@dataclass
-class TokenStore:
-    path: Path
-    manifest: dict
-    tokens: np.ndarray  # memory-mapped, all domains and splits
-    byte_lengths: np.ndarray  # [vocab] bytes per token id
-
-    @property
-    def domains(self) -> list[str]:
-        """The domains trained on (validation domains are not among them)."""
-        return list(self.manifest["domains"])
-
-    @property
-    def validation(self) -> list[str]:
-        """Domains that are only evaluated (``data.validation``): held out whole."""
-        return list(self.manifest.get("validation", []))
-
-    @property
-    def eval_domains(self) -> list[str]:
-        return self.domains + self.validation
-
-    @property
-    def eot(self) -> int:
-        return int(self.manifest["eot"])
-
-    def stream(self, domain: str, split: str) -> np.ndarray:
-        """A domain's training or held-out tokens, documents joined by EOT. split: train | heldout."""
-        start, end = self.manifest["spans"][domain][split]
-        return self.tokens[start:end]
-
-    def documents(self) -> np.ndarray:
-        """Every document: domain index (into domains + validation), split, unit, file, row, start,
-        tokens and bytes, memory-mapped."""
-        path = self.path / "documents.bin"
-        n = path.stat().st_size // INDEX.itemsize
-        return np.memmap(path, dtype=INDEX, mode="r", shape=(n,)) if n else np.zeros(0, INDEX)
-
-    def doc_name(self, doc) -> str:
-        """Where a document comes from: its shard's name and its row (line, row or piece)."""
-        files = self.manifest["units"][int(doc["unit"])]["files"]
-        return f"{files[int(doc['file'])]}#{int(doc['row'])}"
-
-    def tokenizer(self):
-        return T.load_saved(self.path).tokenizer
-
-    def tok(self) -> T.Tok:
-        return T.load_saved(self.path)
 
 
 def store_key(cfg: DataConfig, vocab_size: int, domains: list[S.Domain], vdomains: list[S.Domain], tokenizer_fp) -> str:
@@ -132,14 +89,6 @@ def store_key(cfg: DataConfig, vocab_size: int, domains: list[S.Domain], vdomain
 # ---------------------------------------------------------------- units of work
 
 
-@dataclass(frozen=True)
-class Unit:
-    index: int
-    domain: int  # into domains + validation domains
-    shards: tuple[int, ...]  # into the domain's shards
-    size: int  # input bytes
-
-
 def plan_units(domains: list[S.Domain]) -> list[Unit]:
     """Consecutive shards of each domain, grouped up to UNIT_BYTES (a function of the shard list only)."""
     units: list[Unit] = []
@@ -157,200 +106,8 @@ def plan_units(domains: list[S.Domain]) -> list[Unit]:
     return units
 
 
-_TOKS: dict[str, T.Tok] = {}
-
-
-def _tok_at(folder: str) -> T.Tok:
-    if folder not in _TOKS:
-        _TOKS[folder] = T.load_saved(folder)
-    return _TOKS[folder]
-
-
-def _worker_init() -> None:
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one process per core: the tokenizer's own threads would compete
-
-
-def _token_docs(dom: S.Domain, shard: S.Shard, tok: T.Tok, dtype, bad: S.Bad):
-    """A file of token ids (``.npy``, or raw ``.bin`` in the store's dtype) cut into documents after
-    each end-of-document id; yields (ids, row) per document."""
-    try:
-        if shard.path.lower().endswith(".npy"):
-            ids = np.load(shard.path, mmap_mode="r")
-        else:
-            ids = np.memmap(shard.path, dtype=dtype, mode="r")
-    except (ValueError, OSError) as exc:
-        bad.record(shard, shard.path, f"not a file of token ids ({str(exc).splitlines()[0]})")
-        return
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        bad.record(shard, shard.path, f"token ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-        return
-    n = tok.vocab_size
-    step = 1 << 24
-    carry = np.zeros(0, np.uint32)
-    row = 0
-    for lo in range(0, len(ids), step):
-        chunk = np.asarray(ids[lo : lo + step])
-        if len(chunk) and (chunk.min() < 0 or chunk.max() >= n):
-            bad.record(shard, shard.path, f"token id {int(chunk.max())} is outside the tokenizer's {n} ids")
-            return
-        chunk = np.concatenate([carry, chunk.astype(np.uint32)])
-        ends = np.flatnonzero(chunk == tok.eos) + 1
-        start = 0
-        for e in ends:
-            yield chunk[start:e], row
-            row += 1
-            start = e
-        carry = chunk[start:]
-    if len(carry):
-        yield np.concatenate([carry, np.array([tok.eos], np.uint32)]), row
-
-
-def encode_unit(job: dict) -> dict:
-    """Tokenize one unit into ``units/<index>.{tok,doc}`` and mark it finished with ``.json``."""
-    dom: S.Domain = job["domain"]
-    unit: Unit = job["unit"]
-    out = Path(job["dir"]) / "units"
-    name = f"{unit.index:06d}"
-    tok = _tok_at(job["tokenizer"])
-    dtype = np.dtype(job["dtype"])
-    bad = S.Bad(skip=job["skip"])
-    left_out: list[str] = []
-    tmp_tok, tmp_doc = out / f".{name}.tok", out / f".{name}.doc"
-    stats = {"documents": 0, "tokens": 0, "bytes": 0}
-    blen = None
-    with open(tmp_tok, "wb") as ftok, open(tmp_doc, "wb") as fdoc:
-        texts: list[str] = []
-        meta: list[tuple[int, int, int, int]] = []  # (bytes, hash, row, file)
-        chars = 0
-
-        def flush():
-            ids, lengths = T.encode(tok, texts)
-            ids.astype(dtype, copy=False).tofile(ftok)
-            rec = np.empty(len(texts), DOC)
-            m = np.asarray(meta, np.uint64).reshape(-1, 4)
-            rec["tokens"], rec["bytes"], rec["hash"], rec["row"], rec["file"] = (
-                lengths,
-                m[:, 0],
-                m[:, 1],
-                m[:, 2],
-                m[:, 3],
-            )
-            rec.tofile(fdoc)
-            stats["documents"] += len(texts)
-            stats["tokens"] += int(lengths.sum())
-            stats["bytes"] += int(m[:, 0].sum())
-            texts.clear()
-            meta.clear()
-
-        for fi, si in enumerate(unit.shards):
-            shard = dom.shards[si]
-            if shard.fmt == "tokens":
-                if blen is None:
-                    blen = T.byte_lengths(tok)
-                for ids, row in _token_docs(dom, shard, tok, dtype, bad):
-                    ids.astype(dtype).tofile(ftok)
-                    rec = np.zeros(1, DOC)
-                    rec["tokens"], rec["bytes"] = len(ids), int(blen[ids].sum())
-                    rec["hash"], rec["row"], rec["file"] = S.doc_hash(dom.name, f"{shard.rel}#{row}"), row, fi
-                    rec.tofile(fdoc)
-                    stats["documents"] += 1
-                    stats["tokens"] += len(ids)
-                    stats["bytes"] += int(rec["bytes"][0])
-                continue
-            for doc in S.iter_shard(dom, shard, bad, left_out, tmp_dir=str(out)):
-                if not doc.text.strip():
-                    continue
-                for piece in S.pieces(doc, S.MAX_PIECE_CHARS):
-                    text = piece.text
-                    texts.append(text)
-                    meta.append((len(text) if text.isascii() else len(text.encode("utf-8")),
-                                 S.doc_hash(dom.name, piece.doc_id), piece.row, fi))  # fmt: skip
-                    chars += len(text)
-                    if chars >= ENCODE_BATCH_CHARS or len(texts) >= ENCODE_BATCH_DOCS:
-                        flush()
-                        chars = 0
-        if texts:
-            flush()
-    os.replace(tmp_tok, out / f"{name}.tok")
-    os.replace(tmp_doc, out / f"{name}.doc")
-    stats.update(
-        unit=unit.index,
-        files=[dom.shards[si].rel for si in unit.shards],
-        left_out=left_out,
-        bad=bad.shards,
-        size=unit.size,
-    )
-    tmp = out / f".{name}.json"
-    tmp.write_text(json.dumps(stats))
-    os.replace(tmp, out / f"{name}.json")  # last: the unit is finished
-    return stats
-
-
-# ---------------------------------------------------------------- running the units
-
-
-class _Local:
-    def __init__(self, workers: int):
-        self.pool = None
-        if workers > 1:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
-
-            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
-        self.pending: dict = {}
-
-    def submit(self, job: dict, tag) -> None:
-        if self.pool is None:
-            self.pending[tag] = job  # run in this process when waited for
-        else:
-            self.pending[self.pool.submit(encode_unit, job)] = tag
-
-    def wait(self):
-        """(tag, stats) of a finished unit."""
-        if self.pool is None:
-            tag, job = next(iter(self.pending.items()))
-            del self.pending[tag]
-            return tag, encode_unit(job)
-        from concurrent.futures import FIRST_COMPLETED, wait
-
-        done, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
-        fut = next(iter(done))
-        tag = self.pending.pop(fut)
-        return tag, fut.result()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Ray:
-    """One Ray task per unit (moelab.lab.ray_backend starts or joins the cluster). The build folder
-    must be on storage every node sees (MOELAB_CACHE)."""
-
-    def __init__(self):
-        from moelab.lab.ray_backend import _ray
-
-        self.ray = _ray()
-        self.remote = self.ray.remote(num_cpus=1, runtime_env={"env_vars": {"RAYON_NUM_THREADS": "1"}})(encode_unit)
-        self.pending: dict = {}
-
-    def submit(self, job: dict, tag) -> None:
-        self.pending[self.remote.remote(job)] = tag
-
-    def wait(self):
-        (ref,), _ = self.ray.wait(list(self.pending), num_returns=1)
-        tag = self.pending.pop(ref)
-        return tag, self.ray.get(ref)
-
-    def close(self) -> None:
-        for ref in self.pending:
-            self.ray.cancel(ref)
-
-
 def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfig, workers: int, progress: bool):
     """Tokenize the units not yet finished; a domain past data.max_bytes_per_domain gets no more."""
-    from moelab.progress import Progress, say
-
     done: dict[int, dict] = {}
     for u in units:
         marker = build / "units" / f"{u.index:06d}.json"
@@ -385,7 +142,7 @@ def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfi
         f"{n} {'Ray tasks at a time' if cfg.backend == 'ray' else 'worker processes' if n > 1 else 'process'}",
         progress,
     )
-    runner = _Ray() if cfg.backend == "ray" else _Local(n)
+    runner = Ray(encode_unit) if cfg.backend == "ray" else Local(n, encode_unit)  # encode_unit: this module's
     t0 = time.monotonic()
     queue = list(todo)
     text_bytes = docs = tokens = 0
@@ -477,20 +234,9 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                     bads.setdefault(dom.name, {})[rel] = entry
                 if done[u.index].get("left_out"):
                     left.setdefault(dom.name, []).extend(done[u.index]["left_out"])
-            n_docs = n_held = 0
-            for _, _, docs in _kept(build, mine, cap):  # pass 1: how many documents hashing holds out
-                n_docs += len(docs)
-                if f > 0:
-                    n_held += int(np.count_nonzero(docs["hash"].astype(np.float64) / 2.0**64 < f))
+            n_docs, n_held = _held_by_hash(build, mine, cap, f)  # pass 1
             if not n_docs:
-                names = left.get(dom.name)
-                if names:
-                    raise S.DataError(
-                        f"{dom.spec}: no UTF-8 text files among {len(names)} files ({len(names)} binary or not UTF-8: "
-                        f"{', '.join(n.rsplit('/', 1)[-1] for n in names[:3])}{', ...' if len(names) > 3 else ''}); "
-                        "name a directory of text, or change data.include / data.exclude"
-                    )
-                raise S.DataError(f"{dom.spec}: domain {dom.name!r} has no documents with text")
+                raise _no_text(dom, left.get(dom.name))
             by_position = bool(f > 0 and not validation and n_held in (0, n_docs))
             domain_start = offset
             side_off = first = 0
@@ -536,53 +282,84 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                     bytes_all += int(docs["bytes"].sum())
                     del tokens
             train_end = offset
-            with open(side_tok, "rb") as side:
-                shutil.copyfileobj(side, out, 16 << 20)
+            _append_held(out, index, side_tok, side_idx, train_end)
             offset += side_off
-            n_side = side_idx.stat().st_size // INDEX.itemsize
-            if n_side:
-                held_rows = np.memmap(side_idx, dtype=INDEX, mode="r", shape=(n_side,))
-                for lo in range(0, n_side, ASSEMBLE_DOCS):
-                    r = np.array(held_rows[lo : lo + ASSEMBLE_DOCS])
-                    r["start"] += train_end
-                    r.tofile(index)
-                del held_rows
-            side_tok.unlink()
-            side_idx.unlink()
-            bytes_train = bytes_all - bytes_held
-            if by_position:
-                total = train_end - domain_start
-                cut = train_end - max(1, math.ceil(f * total))
-                spans[dom.name] = {"train": [domain_start, cut], "heldout": [cut, train_end]}
-                share = (train_end - cut) / max(total, 1)
-                stats[dom.name] = {
-                    "train": {
-                        "documents": n_docs,
-                        "tokens": cut - domain_start,
-                        "bytes": round(bytes_train * (1 - share)),
-                    },
-                    "heldout": {"documents": 0, "tokens": train_end - cut, "bytes": round(bytes_train * share)},
-                    "split": "position",
-                }
-            else:
-                spans[dom.name] = {"train": [domain_start, train_end], "heldout": [train_end, offset]}
-                stats[dom.name] = {
-                    "train": {
-                        "documents": n_docs - held_docs,
-                        "tokens": train_end - domain_start,
-                        "bytes": bytes_train,
-                    },
-                    "heldout": {"documents": held_docs, "tokens": tok_held, "bytes": bytes_held},
-                    "split": "validation" if validation else "hash",
-                }
+            split = "position" if by_position else "validation" if validation else "hash"
+            held_counts = (held_docs, tok_held, bytes_held, bytes_all)
+            spans[dom.name], stats[dom.name] = _split_stats(
+                f, split, domain_start, train_end, offset, n_docs, held_counts
+            )
     assert (tmp / "tokens.bin").stat().st_size == offset * itemsize
     return {"spans": spans, "stats": stats, "bad": bads, "left_out": left, "n_tokens": int(offset)}
 
 
+def _held_by_hash(build: Path, units: list[Unit], cap: int, f: float) -> tuple[int, int]:
+    """How many documents a domain keeps, and how many of them hashing holds out."""
+    n_docs = n_held = 0
+    for _, _, docs in _kept(build, units, cap):
+        n_docs += len(docs)
+        if f > 0:
+            n_held += int(np.count_nonzero(docs["hash"].astype(np.float64) / 2.0**64 < f))
+    return n_docs, n_held
+
+
+def _no_text(dom: S.Domain, names: list[str] | None) -> S.DataError:
+    """The error for a domain that kept no document: its files were not text (``names``: those left
+    out), or its documents were all empty."""
+    if names:
+        return S.DataError(
+            f"{dom.spec}: no UTF-8 text files among {len(names)} files ({len(names)} binary or not UTF-8: "
+            f"{', '.join(n.rsplit('/', 1)[-1] for n in names[:3])}{', ...' if len(names) > 3 else ''}); "
+            "name a directory of text, or change data.include / data.exclude"
+        )
+    return S.DataError(f"{dom.spec}: domain {dom.name!r} has no documents with text")
+
+
+def _append_held(out, index, side_tok: Path, side_idx: Path, train_end: int) -> None:
+    """A domain's held-out tokens and index rows (from its side files, their starts moved past its
+    training tokens) appended after its training ones, ASSEMBLE_DOCS rows at a time; the side files
+    removed."""
+    with open(side_tok, "rb") as side:
+        shutil.copyfileobj(side, out, 16 << 20)
+    n_side = side_idx.stat().st_size // INDEX.itemsize
+    if n_side:
+        held_rows = np.memmap(side_idx, dtype=INDEX, mode="r", shape=(n_side,))
+        for lo in range(0, n_side, ASSEMBLE_DOCS):
+            r = np.array(held_rows[lo : lo + ASSEMBLE_DOCS])
+            r["start"] += train_end
+            r.tofile(index)
+        del held_rows
+    side_tok.unlink()
+    side_idx.unlink()
+
+
+def _split_stats(f: float, split: str, start: int, train_end: int, end: int, n_docs: int, held: tuple) -> tuple:
+    """A domain's spans in tokens.bin and its statistics: its tokens are [start, end), its training
+    ones before train_end. split: position (its last ceil(f x tokens) held out), hash or validation
+    (its held-out documents after the training ones); held: (held-out documents, tokens, bytes; all
+    its bytes)."""
+    held_docs, tok_held, bytes_held, bytes_all = held
+    bytes_train = bytes_all - bytes_held
+    if split == "position":
+        total = train_end - start
+        cut = train_end - max(1, math.ceil(f * total))
+        share = (train_end - cut) / max(total, 1)
+        span = {"train": [start, cut], "heldout": [cut, train_end]}
+        return span, {
+            "train": {"documents": n_docs, "tokens": cut - start, "bytes": round(bytes_train * (1 - share))},
+            "heldout": {"documents": 0, "tokens": train_end - cut, "bytes": round(bytes_train * share)},
+            "split": "position",
+        }
+    span = {"train": [start, train_end], "heldout": [train_end, end]}
+    return span, {
+        "train": {"documents": n_docs - held_docs, "tokens": train_end - start, "bytes": bytes_train},
+        "heldout": {"documents": held_docs, "tokens": tok_held, "bytes": bytes_held},
+        "split": split,
+    }
+
+
 @contextlib.contextmanager
 def _lock(path: Path, progress: bool):
-    from moelab.progress import say
-
     fh = open(path, "a+")
     try:
         try:
@@ -685,8 +462,6 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
 
 
 def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, final: Path, progress, tokenizer_dir):
-    from moelab.progress import say
-
     t0 = time.time()
     all_domains = domains + vdomains
     tok_dir = build / "tokenizer"
@@ -762,14 +537,3 @@ def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, fina
     except OSError:  # another process finished the same store first
         shutil.rmtree(tmp, ignore_errors=True)
     return open_store(final)
-
-
-def open_store(path: Path) -> TokenStore:
-    manifest = json.loads((path / "manifest.json").read_text())
-    n = manifest["n_tokens"]
-    tokens = (
-        np.memmap(path / "tokens.bin", dtype=manifest["dtype"], mode="r", shape=(n,))
-        if n
-        else np.zeros(0, manifest["dtype"])
-    )
-    return TokenStore(path, manifest, tokens, np.load(path / "byte_lengths.npy"))

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moelab.errors import UsageError
+from moelab.export import checkpoint_step
+from moelab.export.hf import export_hf
+from moelab.progress import say
+from moelab.runs import RunDir, load_run_config
 
 NEEDS = "--harness: needs lm-evaluation-harness: pip install 'moelab[harness]'"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -175,11 +179,6 @@ def evaluate_harness(
     """lm-eval's scores of the run's newest (or a given) checkpoint on ``specs`` (task names or YAML
     paths), saved to evals/step_N-harness.json. ``samples``: also each document's raw responses
     (for a log-likelihood task, each request's log-likelihood), in the result only."""
-    from moelab.export import checkpoint_step
-    from moelab.export.hf import export_hf
-    from moelab.progress import say
-    from moelab.runs import RunDir, load_run_config
-
     with offline():
         lm_eval, HFLM, TaskManager = _import_lm_eval()
         load_run_config(run_dir)  # a run with a checkpoint, refused in one line if not

@@ -16,7 +16,8 @@ where the answer is choice 0, as chance says).
 
 The log-likelihoods come from ``loglik(pairs) -> [nats]``: the summed log-probability of each
 continuation's tokens after its context, for a list of (context, continuation) pairs
-(``model_loglik`` builds one from a model; a test sets one by hand).
+(``model_loglik`` builds one from a model; a test sets one by hand). A run's checkpoint is scored on
+tasks by ``moelab.train.run_tasks`` (`moelab eval RUN --tasks` and ``--retrieval``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from moelab.errors import UsageError
+from moelab.eval.builtin import BUILTIN, builtin_task
+from moelab.model.transformer import ce_terms, forward
 
 
 @dataclass(frozen=True)
@@ -126,8 +133,6 @@ def model_loglik(params, model_state, m, tok, batch: int = 8) -> Callable[[list[
     scored. A pair longer than the model's context keeps its last ``seq_len + 1`` tokens (the context
     is cut at its start). Scored with dropless dispatch, so a row's padding, or the other rows of its
     batch, cannot change it (capacity would make them compete for slots)."""
-    import numpy as np
-
     start = tok.bos if tok.add_bos and tok.bos is not None else tok.eos
     width = m.seq_len
     rows = _row_scores(m)
@@ -159,10 +164,6 @@ def model_loglik(params, model_state, m, tok, batch: int = 8) -> Callable[[list[
 def _row_scores(m):
     """Each row's summed log-probability of its masked targets, jitted once per model config (an
     in-loop evaluation reuses it)."""
-    import jax
-    import jax.numpy as jnp
-
-    from moelab.model.transformer import ce_terms, forward
 
     @jax.jit
     def rows(params, state, inputs, targets, mask):
@@ -180,78 +181,8 @@ def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list[E
     for spec in specs:
         path = Path(spec)
         if not path.exists() and "/" not in spec and not spec.endswith(".jsonl"):
-            from moelab.eval.builtin import BUILTIN, builtin_task
-
             if spec not in BUILTIN:
                 raise UsageError(f"{field}: {spec!r} is neither a task file nor a built-in task ({', '.join(BUILTIN)})")
             path = builtin_task(spec)
         out[path.stem if path.exists() and spec != path.stem else spec] = load_task(path, field)
     return out
-
-
-def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progress: bool = True) -> dict:
-    """`moelab eval RUN --tasks FILE...`: each task file scored by the run's newest (or a given)
-    checkpoint with the run's own tokenizer; saved to evals/step_N-tasks.json."""
-    from moelab.config import final_model
-    from moelab.data.tokenizer import load_saved
-    from moelab.progress import say
-    from moelab.train.evaluate import restored
-
-    tasks = load_tasks(files)  # every file refused before anything loads
-    run, cfg, store, state, step = restored(run_dir, step, progress)
-    # the model as it ends its run: the last phase's context and RoPE
-    loglik = model_loglik(state["params"], state["model_state"], final_model(cfg), load_saved(store.path))
-    res = {"step": step, "tasks": {}}
-    for name, examples in tasks.items():
-        say(f"scoring {name}: {len(examples)} examples", progress)
-        res["tasks"][name] = score(examples, loglik)
-    (run.path / "evals").mkdir(exist_ok=True)
-    (run.path / "evals" / f"step_{step:08d}-tasks.json").write_text(json.dumps(res, indent=1))
-    return res
-
-
-def evaluate_retrieval(
-    run_dir,
-    lengths: Sequence[int],
-    depths: Sequence[float] = (0.1, 0.5, 0.9),
-    n: int = 16,
-    step: int | None = None,
-    progress: bool = True,
-    seed: int = 0,
-) -> dict:
-    """`moelab eval RUN --retrieval LENGTHS`: the long-context retrieval task (moelab.eval.builtin:
-    a key planted at each depth of held-out code, asked for at the end; chance 25%) generated for the
-    run's tokenizer at each length in tokens, and scored by the run's newest (or a given) checkpoint
-    as it ends its run (the last phase's context and RoPE). Saved to evals/step_N-retrieval.json."""
-    from moelab.config import final_model
-    from moelab.data.tokenizer import load_saved
-    from moelab.eval.builtin import retrieval_examples
-    from moelab.progress import say
-    from moelab.runs import load_run_config
-    from moelab.train.evaluate import restored
-
-    context = final_model(load_run_config(run_dir)).seq_len  # refused before anything loads
-    if bad := [x for x in lengths if not 16 <= x <= context]:
-        raise UsageError(f"--retrieval: {bad[0]} tokens; give lengths from 16 to the model's context, {context}")
-    if bad := [x for x in depths if not 0.0 <= x <= 1.0]:
-        raise UsageError(f"--depths: {bad[0]}; depths are shares of the context, from 0.0 to 1.0")
-    run, cfg, store, state, step = restored(run_dir, step, progress)
-    tok = load_saved(store.path)
-    loglik = model_loglik(state["params"], state["model_state"], final_model(cfg), tok, batch=16)
-
-    def encode(text: str) -> list[int]:
-        return tok.tokenizer.encode(text, add_special_tokens=False).ids
-
-    res = {"step": step, "seq_len": context, "n": n, "chance": 0.25, "lengths": list(lengths), "depths": list(depths)}
-    res["acc"], res["acc_norm"] = {}, {}
-    for length in lengths:
-        say(f"retrieval at {length} tokens: {n} examples at each of {len(depths)} depths", progress)
-        # room for the start token and the answer's tokens within the context
-        rows = retrieval_examples(n, length - 8, depths, seed, "code", encode)
-        for depth in depths:
-            exs = [Example(r["context"], tuple(r["choices"]), r["answer"]) for r in rows if r["meta"]["depth"] == depth]
-            got = score(exs, loglik)
-            res["acc"][f"{length}@{depth:g}"], res["acc_norm"][f"{length}@{depth:g}"] = got["acc"], got["acc_norm"]
-    (run.path / "evals").mkdir(exist_ok=True)
-    (run.path / "evals" / f"step_{step:08d}-retrieval.json").write_text(json.dumps(res, indent=1))
-    return res

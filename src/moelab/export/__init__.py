@@ -11,8 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
+
 from moelab.config import Config
+from moelab.data.store import build_store
 from moelab.errors import RunRefused
+from moelab.runs import RunDir, load_run_config
+from moelab.train import checkpoint, optim
+from moelab.train.step import init_train_state
 
 
 class Trained(NamedTuple):
@@ -25,9 +31,6 @@ class Trained(NamedTuple):
 
 def checkpoint_step(run_dir: str | Path, step: int | None) -> int:
     """The newest complete checkpoint's step, or ``step`` if it is one; else one line, RunRefused."""
-    from moelab.runs import RunDir
-    from moelab.train import checkpoint
-
     run = RunDir(run_dir)
     saved = checkpoint.steps(run.ckpt)
     if not saved:
@@ -47,18 +50,10 @@ def tokenizer_of(run_dir: str | Path, cfg: Config, progress: bool = True) -> Pat
         return path
     if cfg.data.tokenizer:
         return Path(cfg.data.tokenizer)
-    from moelab.data.store import build_store
-
     return build_store(cfg.data, cfg.model.vocab_size, progress=progress).path / "tokenizer.json"
 
 
 def load_trained(run_dir: str | Path, step: int | None = None, progress: bool = True) -> Trained:
-    import jax
-
-    from moelab.runs import RunDir, load_run_config
-    from moelab.train import checkpoint, optim
-    from moelab.train.step import init_train_state
-
     cfg = load_run_config(run_dir)
     step = checkpoint_step(run_dir, step)
     opt = optim.make_optimizer(cfg, optim.hyper(cfg))

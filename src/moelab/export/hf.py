@@ -25,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moelab.config import final_model, rope_scaling_of, to_dict
 from moelab.errors import UsageError
 from moelab.export import Trained, load_trained
+from moelab.model.layers import group_kv
 
 HERE = Path(__file__).parent / "remote_code"
 EOT = "<|endoftext|>"
@@ -59,8 +61,6 @@ def _np(a) -> np.ndarray:
 
 def hf_tensors(t: Trained) -> dict[str, np.ndarray]:
     """PyTorch names (modeling_moelab.py's modules), linear weights as [out, in]."""
-    from moelab.model.layers import group_kv
-
     m, p = t.cfg.model, t.params
     L = p["layers"]
     out = {
@@ -94,15 +94,11 @@ def hf_tensors(t: Trained) -> dict[str, np.ndarray]:
 def _rope_scaling(t: Trained) -> dict:
     """The RoPE the model ends its run with (its last phase's: ``final_model``), as the export's config
     says it: {"type": none|pi|ntk|yarn, "factor": s, "original_max_position_embeddings": L0}."""
-    from moelab.config import final_model, rope_scaling_of
-
     kind, factor, base = rope_scaling_of(final_model(t.cfg))
     return {"type": str(kind), "factor": float(factor), "original_max_position_embeddings": int(base)}
 
 
 def hf_config(t: Trained, eot: int | None) -> dict:
-    from moelab.config import final_model
-
     m = t.cfg.model
     windows = [0 if m.is_global(i) or not m.sliding_window else m.sliding_window for i in range(m.n_layers)]
     return {
@@ -147,8 +143,6 @@ def _eot(tokenizer_path: Path) -> int | None:
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
     from safetensors.numpy import save_file
 
-    from moelab.config import final_model
-
     out = Path(out)
     check_out(out, is_dir=True)
     t = load_trained(run_dir, step, progress)
@@ -184,8 +178,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
 
 def export_safetensors(run_dir: str | Path, out: str | Path, step: int | None = None, progress: bool = True) -> dict:
     from safetensors.numpy import save_file
-
-    from moelab.config import to_dict
 
     out = Path(out)
     check_out(out, is_dir=False)

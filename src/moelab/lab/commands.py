@@ -1,16 +1,22 @@
-"""What `moelab run`, `moelab status` and `moelab issue` do with an experiment file."""
+"""What `moelab run`, `moelab issue` and `moelab change` do with an experiment file (`moelab status`
+reads the journals alone: ``moelab.lab.journal.status_rows``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import runpy
+import time
 from pathlib import Path
 
-from moelab.errors import ExperimentError
+from moelab import accounting
+from moelab.cache import matmul_peak
+from moelab.errors import ExperimentError, RunRefused
 from moelab.lab.executor import Runner, read_status
-from moelab.lab.graph import Experiment
+from moelab.lab.graph import Experiment, resolve
 from moelab.lab.journal import Journal, attempt_rows, headline, record
+from moelab.lab.steps import _config, _train
+from moelab.runs import load_run_config
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -61,8 +67,6 @@ def prediction_problem(exp: Experiment) -> str | None:
 
 def dry_run(runner: Runner, flops_per_s: float | None = None) -> list[dict]:
     """Each step's status, estimated FLOPs and time, and output path; runs nothing."""
-    from moelab.cache import matmul_peak
-
     rate = flops_per_s or measured_rate(runner.prefix) or 0.3 * matmul_peak()
     rows = []
     for step in runner.selected():
@@ -82,8 +86,6 @@ def dry_run(runner: Runner, flops_per_s: float | None = None) -> list[dict]:
 
 
 def _resolved(runner: Runner, step):
-    from moelab.lab.graph import resolve
-
     return resolve(step.config, lambda s: str(runner.out(s)))
 
 
@@ -97,41 +99,12 @@ def measured_rate(prefix: Path) -> float | None:
     return max(rates) if rates else None
 
 
-def status_rows(prefix: Path) -> list[dict]:
-    out = []
-    for journal_path in sorted(Path(prefix).glob("experiments/*/journal.jsonl")):
-        events = Journal(journal_path).read()
-        declared = [e for e in events if e["event"] == "declared"]
-        rec = record(events)
-        steps = []
-        for s in declared[-1]["steps"] if declared else []:
-            status_path = Path(prefix) / f"{s['dir']}.status"
-            status = json.loads(status_path.read_text())["status"] if status_path.exists() else "PENDING"
-            steps.append({"name": s["name"], "dir": s["dir"], "status": status})
-        out.append(
-            {
-                "experiment": journal_path.parent.name,
-                "title": declared[-1]["title"] if declared else "",
-                "version": len(declared),
-                "steps": steps,
-                "verdict": headline(rec),
-                "attempts": attempt_rows(rec),
-                "post_hoc_verdicts": [v["verdict"] for v in rec["post_hoc_verdicts"]],
-            }
-        )
-    return out
-
-
 def _when(t: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def issue_markdown(exp: Experiment, prefix: Path) -> str:
     """GitHub-issue markdown: description, goal, hypothesis, prediction, config, results and verdict."""
-    from moelab import accounting
-
     runner = Runner(exp, prefix, log=lambda *_: None)
     events = Journal(runner.journal.path).read()
     rec = record(events)
@@ -173,8 +146,6 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
         cfg = _resolved(runner, step)
         params = flops = ""
         if step.estimate:
-            from moelab.lab.steps import _config
-
             c = _config(cfg)
             a = accounting.count(c)
             params = f"{accounting.human(a.total_params)} / {accounting.human(a.active_params)}"
@@ -212,11 +183,6 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
 def training_horizons(exp, prefix: Path | None = None) -> dict[str, int]:
     """Each training step of ``exp`` and the steps its run is planned for (as re-planned, where
     its run under ``prefix`` says so)."""
-    from moelab.errors import RunRefused
-    from moelab.lab.graph import resolve
-    from moelab.lab.steps import _config, _train
-    from moelab.runs import load_run_config
-
     out = {}
     for step in exp.all_steps():
         if step.fn is _train:

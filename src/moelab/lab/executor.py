@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from moelab.lab import ray_backend
 from moelab.lab.graph import Experiment, Step, closure, knowable, resolve
 from moelab.lab.journal import RUNNING, Journal, Running, headline, judge, record
 from moelab.runs import git_state, host, versions
@@ -321,9 +322,7 @@ class Runner:
 
     def _submit(self, pool, step: Step):
         if self.backend == "ray":
-            from moelab.lab.ray_backend import submit
-
-            return submit(pool, self, step)
+            return ray_backend.submit(pool, self, step)
         return pool.submit(self.run_step, step)
 
     def run_step(self, step: Step, call=None) -> tuple[str, dict | None]:
@@ -335,14 +334,8 @@ class Runner:
             return "SUCCESS", self._reused(step)
         self.prefix.mkdir(parents=True, exist_ok=True)
         lease = Lease(self.prefix / f"{step.dirname()}.lease", self.owner)
-        waited = False
-        while not lease.try_acquire():
-            if not waited:
-                self.log(f"  {step.name}: another runner holds it; waiting")
-                waited = True
-            time.sleep(min(1.0, lease_timeout() / 10))
-            if read_status(self.prefix, step) == "SUCCESS" and not forced:
-                return "SUCCESS", self._reused(step)
+        if self._wait_for(step, lease, forced):
+            return "SUCCESS", self._reused(step)
         try:
             before = read_status(self.prefix, step)
             if before == "SUCCESS" and not forced:  # finished by another runner while we waited
@@ -379,46 +372,13 @@ class Runner:
             try:
                 outcome = (call or step.fn)(config, attempt)
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then re-raised if fatal
-                tb, error = traceback.format_exc(), f"{type(exc).__name__}: {exc}"
-                (attempt / "error.txt").write_text(tb)
-
-                def failed() -> None:  # only while this runner holds the step: one that lost it writes nothing
-                    _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
-                    self.journal.write("step_failed", step=step.name, dir=step.dirname(),
-                                       error=error, traceback=tb, attempt=attempt.name)  # fmt: skip
-
-                if lease.commit(failed):
-                    self.log(f"  {step.name}: FAILED ({error})")
-                    result = "FAILED"
-                else:
-                    result = self._lost(step, attempt, error)
+                result = self._failed(step, attempt, lease, status_path, exc)
                 if not isinstance(exc, Exception):
                     raise
                 return result, None
             finally:
                 RUNNING.reset(running)
-            # what names the attempt folder names the step's output once committed
-            outcome = _rebase(dict(outcome or {}), str(attempt), str(out))
-            entries = outcome.pop("journal", [])
-            provenance = {
-                "step": step.name,
-                "experiment": self.exp.name,  # who produced this result first (a reuse does not change it)
-                "identity": step.identity(),
-                "config": config,
-                "git": git_state(),
-                "versions": versions(),
-                "host": host(),
-                "attempt": attempt.name,
-                "start": started,
-                "first_start": first_start,  # when the result became knowable (journal.judge)
-                "end": time.time(),
-            }
-            _write_atomic(attempt / "provenance.json", provenance)
-            _write_atomic(attempt / "outcome.json", outcome)
-            summary = attempt / "summary.json"  # a training run's summary names its folder too
-            if summary.is_file():
-                with contextlib.suppress(ValueError):
-                    _write_atomic(summary, _rebase(json.loads(summary.read_text()), str(attempt), str(out)))
+            outcome, entries = self._record(step, attempt, out, config, started, first_start, outcome)
 
             def commit() -> None:
                 if out.exists():  # a partial output of the old layout, or a forced step's: kept aside, not lost
@@ -440,3 +400,59 @@ class Runner:
             return "SUCCESS", outcome
         finally:
             lease.release()
+
+    def _wait_for(self, step: Step, lease: Lease, forced: bool) -> bool:
+        """Take the step's lease, waiting while another runner holds it; True (the lease not taken) when
+        the step was finished meanwhile."""
+        waited = False
+        while not lease.try_acquire():
+            if not waited:
+                self.log(f"  {step.name}: another runner holds it; waiting")
+                waited = True
+            time.sleep(min(1.0, lease_timeout() / 10))
+            if read_status(self.prefix, step) == "SUCCESS" and not forced:
+                return True
+        return False
+
+    def _failed(self, step: Step, attempt: Path, lease: Lease, status_path: Path, exc: BaseException) -> str:
+        """A step's function raised (called while its exception is handled): the traceback in the attempt's
+        error.txt, FAILED in the step's status and the journal; LOST where this runner no longer holds it."""
+        tb, error = traceback.format_exc(), f"{type(exc).__name__}: {exc}"
+        (attempt / "error.txt").write_text(tb)
+
+        def failed() -> None:  # only while this runner holds the step: one that lost it writes nothing
+            _write_atomic(status_path, {"status": "FAILED", "owner": self.owner, "time": time.time()})
+            self.journal.write("step_failed", step=step.name, dir=step.dirname(),
+                               error=error, traceback=tb, attempt=attempt.name)  # fmt: skip
+
+        if lease.commit(failed):
+            self.log(f"  {step.name}: FAILED ({error})")
+            return "FAILED"
+        return self._lost(step, attempt, error)
+
+    def _record(self, step: Step, attempt: Path, out: Path, config, started: float, first_start: float, outcome):
+        """A finished attempt's provenance.json and outcome.json (and its summary's paths) naming the step's
+        output; returns (the outcome, the journal entries it asks for)."""
+        # what names the attempt folder names the step's output once committed
+        outcome = _rebase(dict(outcome or {}), str(attempt), str(out))
+        entries = outcome.pop("journal", [])
+        provenance = {
+            "step": step.name,
+            "experiment": self.exp.name,  # who produced this result first (a reuse does not change it)
+            "identity": step.identity(),
+            "config": config,
+            "git": git_state(),
+            "versions": versions(),
+            "host": host(),
+            "attempt": attempt.name,
+            "start": started,
+            "first_start": first_start,  # when the result became knowable (journal.judge)
+            "end": time.time(),
+        }
+        _write_atomic(attempt / "provenance.json", provenance)
+        _write_atomic(attempt / "outcome.json", outcome)
+        summary = attempt / "summary.json"  # a training run's summary names its folder too
+        if summary.is_file():
+            with contextlib.suppress(ValueError):
+                _write_atomic(summary, _rebase(json.loads(summary.read_text()), str(attempt), str(out)))
+        return outcome, entries

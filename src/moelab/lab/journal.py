@@ -291,3 +291,30 @@ def journals_of(run_dir: Path) -> list[tuple[Journal, str]]:
         if run_dir.name in steps:
             out.append((journal, steps[run_dir.name]))
     return out
+
+
+def status_rows(prefix: Path) -> list[dict]:
+    """`moelab status`'s rows: each experiment whose journal is under ``prefix``: its current steps'
+    statuses (their ``.status`` files; PENDING without one), its verdict and its attempts."""
+    out = []
+    for journal_path in sorted(Path(prefix).glob("experiments/*/journal.jsonl")):
+        events = Journal(journal_path).read()
+        declared = [e for e in events if e["event"] == "declared"]
+        rec = record(events)
+        steps = []
+        for s in declared[-1]["steps"] if declared else []:
+            status_path = Path(prefix) / f"{s['dir']}.status"
+            status = json.loads(status_path.read_text())["status"] if status_path.exists() else "PENDING"
+            steps.append({"name": s["name"], "dir": s["dir"], "status": status})
+        out.append(
+            {
+                "experiment": journal_path.parent.name,
+                "title": declared[-1]["title"] if declared else "",
+                "version": len(declared),
+                "steps": steps,
+                "verdict": headline(rec),
+                "attempts": attempt_rows(rec),
+                "post_hoc_verdicts": [v["verdict"] for v in rec["post_hoc_verdicts"]],
+            }
+        )
+    return out

@@ -7,22 +7,9 @@ backend ran the work. A local Ray instance starts by default; MOELAB_RAY_ADDRESS
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from moelab.errors import UsageError
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise UsageError("--backend ray: Ray is not installed; pip install 'moelab[ray]'") from None
-    if not ray.is_initialized():
-        address = os.environ.get("MOELAB_RAY_ADDRESS") or None
-        kwargs = {} if address else {"num_cpus": os.cpu_count(), "include_dashboard": False}
-        ray.init(address=address, log_to_driver=True, **kwargs)
-    return ray
+from moelab.extras import ray_session as _ray
 
 
 def _execute(fn, config: dict, out: str):

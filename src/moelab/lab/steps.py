@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from pathlib import Path
 
+import numpy as np
+
+from moelab import accounting
+from moelab.config import Config, config_from_dict, config_hash, load_config, step_dict
+from moelab.errors import ConfigError, ExperimentError, RecordError
 from moelab.lab.graph import Step, versioned
+from moelab.lab.journal import RUNNING
+from moelab.ladder.forecast import forecast
+from moelab.ladder.law import DEFAULT_LAW
+from moelab.ladder.plan import load_ladder, rung_config, rung_runs
+from moelab.monitor.health import check_run
+from moelab.runs import RunDir, load_run_config, read_jsonl
+from moelab.train.branch import branch_config, branch_point, start_branch
+from moelab.train.evaluate import evaluate_run
+from moelab.train.loop import train
+from moelab.train.trackers import make_trackers
 
 
 def _config(cfg: dict):
-    from moelab.config import config_from_dict, load_config
-
     if "resolved" in cfg:  # a whole config, as a ladder's rule made it
         return config_from_dict(cfg["resolved"])
     return load_config(cfg["config"], list(cfg.get("overrides", [])))
 
 
 def _train(cfg: dict, out: Path) -> dict:
-    import shutil
-
-    from moelab.train.loop import train
-
     if cfg.get("forecast") and not (out / "forecast.json").exists():
         # the registered forecast goes into the run before its first step: the loop monitors against it
         tmp = out / ".forecast.json.tmp"
         shutil.copyfile(cfg["forecast"], tmp)
         tmp.replace(out / "forecast.json")
-    from moelab.lab.journal import RUNNING
 
     running = RUNNING.get()
     on_update = forecast_update_writer(running)
@@ -39,8 +50,6 @@ def _train(cfg: dict, out: Path) -> dict:
     config = _config(cfg)
     trackers = []
     if config.train.trackers:  # mirrored live, tagged with the experiment and the step
-        from moelab.train.trackers import make_trackers
-
         tags = [running.journal.path.parent.name, running.step] if running is not None else []
         trackers = make_trackers([], config, out, tags=tags)
     # resume=True: a rerun of a failed step continues from its newest checkpoint
@@ -63,8 +72,6 @@ def forecast_update_writer(running):
 
 
 def _estimate(cfg: dict) -> dict:
-    from moelab import accounting
-
     c = _config(cfg)
     tokens = accounting.run_tokens(c)
     return {"flops": accounting.run_train(c)["train_flops"], "tokens": tokens}
@@ -77,14 +84,9 @@ def train_step(
 
     ``forecast``: ``output_of(a forecast step) / "forecast.json"``; the run is monitored against it
     (and against the rungs it came from) from its first step."""
-    from moelab.config import Config, step_dict
-
     if isinstance(config, Config):
         fields = {"resolved": versioned(step_dict(config)), "name": config.name}
     else:
-        from moelab.config import load_config
-        from moelab.errors import ConfigError, ExperimentError
-
         static = isinstance(config, (str, Path)) and all(isinstance(o, str) for o in overrides)
         resolved = None
         if static:  # refused when the experiment loads, before any step runs (and in --dry-run alike)
@@ -96,8 +98,6 @@ def train_step(
         if resolved is not None and Path(str(config)).is_file():
             # a config file is named by its path: its contents (and its base:'s) are the step's identity
             # too, so an edited file is a new step, not a finished one reused
-            from moelab.config import config_hash
-
             fields["config_hash"] = versioned(config_hash(resolved))
     if forecast is not None:
         fields["forecast"] = versioned(forecast)
@@ -111,10 +111,6 @@ def train_step(
 
 
 def _branch(cfg: dict, out: Path) -> dict:
-    from moelab.runs import load_run_config
-    from moelab.train.branch import branch_config, branch_point, start_branch
-    from moelab.train.loop import train
-
     branch = branch_config(load_run_config(cfg["parent"]), cfg["at"], cfg["steps"], list(cfg.get("overrides", [])),
                            cfg.get("run_name", ""))  # fmt: skip
     if branch_point(out) is None:  # a rerun of a failed branch resumes it; a new one starts from the parent
@@ -143,8 +139,6 @@ def branch_step(name: str, parent, at: int, steps: int, overrides: list[str] = (
 
 def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -> tuple[list[Step], object]:
     """One training step per rung (and seed) of a ladder plan, and the target's config (None without one)."""
-    from moelab.ladder.plan import load_ladder, rung_config, rung_runs
-
     ladder = load_ladder(ladder_path)
     rungs = [train_step(f"{prefix}{name}", cfg, progress=progress) for name, cfg in rung_runs(ladder)]
     target = rung_config(ladder, len(ladder.widths)) if ladder.target_width else None
@@ -152,12 +146,6 @@ def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -
 
 
 def _forecast(cfg: dict, out: Path) -> dict:
-    import hashlib
-    import json
-
-    from moelab.ladder.forecast import forecast
-    from moelab.ladder.law import DEFAULT_LAW
-
     target = _config(cfg["target"])
     fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"), floor=cfg.get("floor"),
                   n_boot=cfg.get("n_boot") or 200, prior=cfg.get("prior"))  # fmt: skip
@@ -207,9 +195,6 @@ def forecast_step(
     measured apart, pooled with the rungs' own (a ladder of too few seeds needs it). ``prior``: the
     recipe's prior file's content (moelab.ladder.prior.load_prior(...).to_dict()), which the prior
     laws need; hashed with the step, so a new prior is a new forecast."""
-    from moelab.config import step_dict
-    from moelab.ladder.law import DEFAULT_LAW
-
     return Step(
         name=name,
         fn=_forecast,
@@ -227,15 +212,6 @@ def forecast_step(
 
 
 def _health(cfg: dict, out: Path) -> dict:
-    import json
-
-    import numpy as np
-
-    from moelab.errors import RecordError
-    from moelab.lab.journal import RUNNING
-    from moelab.monitor.health import check_run
-    from moelab.runs import RunDir, read_jsonl
-
     run = Path(cfg["run"])
     fc = RunDir(run).verified_forecast()  # the run's newest registered forecast, unchanged since, or refused
     versions = RunDir(run).forecast_versions()
@@ -290,10 +266,6 @@ def health_step(name: str, run) -> Step:
 
 
 def _evaluate(cfg: dict, out: Path) -> dict:
-    import json
-
-    from moelab.train.evaluate import evaluate_run
-
     result = evaluate_run(cfg["run"], cfg.get("checkpoint"), progress=False)
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result

@@ -11,160 +11,49 @@ Three ways to forecast:
   across the rungs' points at that fraction, extrapolated to the target's compute at that fraction
   (C = training FLOPs up to that point without the LM head).
 
-The band of a joint law is a parametric bootstrap from the fit's own residuals: each rung's curve
-sits off the law by an offset of its own (a seed, a shape) plus noise from point to point, both
-measured from the residuals. Synthetic ladders are drawn from the fitted law with that noise, the
-law refitted to each, and the target read with an offset and noise of its own; the band is the
-5th-95th percentile of those readings. Four rungs measure the offsets' spread with few degrees of
-freedom, so each draw first draws that spread from its sampling distribution (a scaled inverse
-chi-square): the band widens as a Student t does, instead of trusting a spread seen in four numbers.
+The band of a joint law: moelab.ladder.band; the rungs' and the target's curves as a forecast reads
+them: moelab.ladder.curves (both importable from here as before). Here: the forecasts, the backtests
+that check them, the updates of a registered forecast in a run, and the band's calibration.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 
-from moelab import accounting
-from moelab.config import Config, config_from_dict
+from moelab.config import Config
 from moelab.errors import ForecastError
 from moelab.ladder import law as L
+from moelab.ladder import prior as P
+from moelab.ladder.band import (  # noqa: F401 - the band's parts, importable from here
+    LEVEL,
+    MIN_DOF,
+    MIN_FRACTION,
+    _fixed_e,
+    corrected_noise,
+    draw_ladder,
+    e_sensitivity,
+    estimate_noise,
+    fitted,
+    joint_band,
+    model_error,
+)
+from moelab.ladder.curves import (  # noqa: F401 - the curves' readers, importable from here
+    AGG,
+    _curve_of,
+    _run_config,
+    held_out,
+    lr_schedule,
+    rung_curve,
+    rung_run,
+    shared_prefixes_once,
+    target_run,
+)
 from moelab.ladder.fits import fit_power
-from moelab.monitor.health import departures
-from moelab.runs import read_jsonl
-from moelab.schedule import eval_points
 
 FRACTIONS = [k / 20 for k in range(1, 21)]
-# what is forecast: the held-out loss (dropless) with the domains weighted by their share of the training
-# mixture (`mix`). The macro average weighs a domain of 2.6% of the tokens as much as the rest, and
-# its seed-to-seed spread was most of the noise (benchmarks/results/noise_floor.json)
-AGG = "mix"
-
-
-def held_out(rec: dict, agg: str = AGG, metric: str = "loss_dropless") -> float:
-    """An evaluation record's held-out loss as a forecast reads it (``agg``: mix or macro)."""
-    return rec[metric][agg]
-
-
 LAW_CHOICES = L.LAW_CHOICES
-MIN_FRACTION = 0.1  # a joint law is fitted to evaluations from this fraction of each run on
-LEVEL = 0.9  # the band's nominal coverage
-
-
-# ------------------------------------------------------------------------------------ inputs
-
-
-def lr_schedule(cfg: Config) -> np.ndarray:
-    """The rate applied by each update of the run (re-plans included), as a multiple of its peak."""
-    import jax.numpy as jnp
-
-    from moelab.train import optim
-
-    h = optim.hyper(cfg)
-    return np.asarray(optim.lr_factor(jnp.arange(h.total_steps), h), np.float64)
-
-
-def _run_config(run_dir: Path) -> Config:
-    if not (run_dir / "config.json").is_file():
-        raise ForecastError(f"{run_dir}: no config.json; is this a training run?")
-    try:
-        return config_from_dict(json.loads((run_dir / "config.json").read_text())["config"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ForecastError(f"{run_dir}/config.json: not a run's config ({exc})") from None
-
-
-def target_run(cfg: Config, name: str | None = None, steps=None) -> L.Run:
-    """The law's view of a run not yet trained: its size, its schedule, and where it will be evaluated."""
-    from moelab.train import optim
-
-    a = accounting.count(cfg)
-    lr = lr_schedule(cfg)
-    at = np.array(sorted(eval_points(cfg, len(lr)) - {0}), float) if steps is None else np.asarray(steps, float)
-    return L.Run(name or cfg.name or "target", a.active_params, cfg.train.batch_size * cfg.model.seq_len, lr, at,
-                 None, 3 * a.forward_flops_per_token_without_lm_head, peak_lr=optim.hyper(cfg).peak_lr)  # fmt: skip
-
-
-def rung_run(run_dir: str | Path, metric: str = "loss_dropless", agg: str = AGG) -> L.Run:
-    """A trained run as the law sees it: its held-out loss (``agg`` of the domains) at every
-    evaluation after step 0."""
-    run_dir = Path(run_dir)
-    cfg = _run_config(run_dir)
-    points = {}
-    for rec in read_jsonl(run_dir / "metrics.jsonl"):
-        if rec.get("kind") == "eval" and rec.get("step", 0) > 0 and metric in rec:
-            if agg not in rec[metric]:
-                raise ForecastError(f"{run_dir}: its evaluations have no {agg!r} held-out loss (an older run); "
-                                    f"re-run it, or forecast the {'macro' if agg != 'macro' else 'mix'} loss")  # fmt: skip
-            points[rec["step"]] = rec[metric][agg]  # a resumed run's repeat replaces the first
-    if not points:
-        raise ForecastError(f"{run_dir}: no held-out evaluations after step 0")
-    steps = np.array(sorted(points), float)
-    run = target_run(cfg, cfg.name or run_dir.name, steps)
-    if steps[-1] > run.total_steps:
-        raise ForecastError(f"{run_dir}: evaluations past the run's {run.total_steps} steps")
-    loss = np.array([points[s] for s in sorted(points)])
-    if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
-        raise ForecastError(f"{run_dir}: a held-out loss is not a finite positive number")
-    run = run.with_loss(steps, loss)
-    run.dir = str(run_dir)
-    from moelab.train.branch import branch_point
-
-    ev = branch_point(run_dir)
-    run.group = ev["parent"] if ev else str(run_dir.resolve())  # a branch shares its parent's seed
-    return run
-
-
-def shared_prefixes_once(runs: list[L.Run]) -> list[L.Run]:
-    """A branch (moelab.train.branch) holds its parent's evaluations up to the branch step: when the
-    parent is among ``runs`` too, the branch keeps only its own, so that no measurement counts twice."""
-    from moelab.train.branch import branch_point
-
-    dirs = {str(Path(r.dir).resolve()) for r in runs if r.dir}
-    out = []
-    for r in runs:
-        ev = branch_point(r.dir) if r.dir else None
-        if ev is not None and ev["parent"] in dirs:
-            keep = r.steps > ev["step"]
-            cut = r.with_loss(r.steps[keep], r.loss[keep])
-            cut.dir = r.dir
-            r = cut
-        out.append(r)
-    return out
-
-
-def rung_curve(run_dir: str | Path, metric: str = "loss_dropless", with_head: bool = False, agg: str = AGG) -> dict:
-    """A rung's held-out macro loss at each 5% of its run, with its compute (the per-fraction form)."""
-    run_dir = Path(run_dir)
-    cfg = _run_config(run_dir)
-    steps = cfg.train.steps
-    out = accounting.run_train(cfg)
-    total = out["train_flops"] if with_head else out["train_flops_without_lm_head"]
-    points = {}
-    for rec in read_jsonl(run_dir / "metrics.jsonl"):
-        if rec.get("kind") != "eval" or rec["step"] == 0:
-            continue
-        k = round(rec["step"] * 20 / steps)
-        if abs(rec["step"] - k * steps / 20) <= 0.5 and 1 <= k <= 20:
-            points[k] = rec[metric][agg]
-    if not points:
-        raise ForecastError(f"{run_dir}: no held-out evaluations at 5% points of its run")
-    return {"dir": str(run_dir), "name": cfg.name or run_dir.name, "steps": steps, "flops": total,
-            "fractions": {k / 20: v for k, v in sorted(points.items())}}  # fmt: skip
-
-
-def _curve_of(run: L.Run) -> dict:
-    """The per-fraction form's view of a law.Run: its points at 5% fractions and its total compute."""
-    steps = run.total_steps
-    fr = {}
-    for s, v in zip(run.steps, run.loss if run.loss is not None else [], strict=False):
-        k = round(s * 20 / steps)
-        if abs(s - k * steps / 20) <= 0.5 and 1 <= k <= 20:
-            fr[k / 20] = float(v)
-    return {"dir": run.dir, "name": run.name, "steps": steps, "flops": run.flops_per_token * run.tokens_per_step * steps,
-            "fractions": dict(sorted(fr.items()))}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ per-fraction
@@ -206,233 +95,6 @@ def _boot_predictions(c: np.ndarray, loss: np.ndarray, e: float | None, ct: floa
 
 
 # ---------------------------------------------------------------------------- joint law
-
-
-def fitted(runs: list[L.Run], min_fraction: float = MIN_FRACTION) -> list[L.Run]:
-    """Each run cut to its evaluations from ``min_fraction`` of its run on (the fast early drop
-    before that is warm-up and transient, not the law's business)."""
-    out = []
-    for r in runs:
-        keep = r.steps >= min_fraction * r.total_steps - 0.5
-        if np.any(keep):
-            cut = r.with_loss(r.steps[keep], r.loss[keep])
-            cut.dir = r.dir
-            out.append(cut)
-    return out
-
-
-MIN_DOF = 3  # every variance the band uses is known with at least this many degrees of freedom
-
-
-def _lineages(runs: list[L.Run]) -> list[list[int]]:
-    """Indices of the runs of each lineage (a run and the branches that share its seed's offset)."""
-    order: dict[str, list[int]] = {}
-    for i, r in enumerate(runs):
-        order.setdefault(r.lineage, []).append(i)
-    return list(order.values())
-
-
-def estimate_noise(fit: L.LawFit, runs: list[L.Run], floor: dict | None = None) -> dict:
-    """The residuals' structure (log-loss): each lineage's offset from the law (a seed: a run and its
-    branches share one) and the noise about it, point to point.
-
-    rung: the spread of the lineages' offsets, two degrees of freedom spent on the size term (A, alpha);
-    point: the spread about each run's offset; rho: its lag-1 autocorrelation. ``floor`` ({"sd", "dof"}:
-    a run-to-run spread measured apart, a noise floor) is pooled with the offsets' spread."""
-    res = [np.log(r.loss) - np.log(np.maximum(fit.predict(r), 1e-9)) for r in runs]
-    within = [x - x.mean() for x in res]
-    n = sum(len(x) for x in res)
-    point = math.sqrt(sum(float(np.sum(w * w)) for w in within) / max(n - len(res), 1))
-    num = sum(float(np.sum(w[1:] * w[:-1])) for w in within if len(w) > 1)
-    den = sum(float(np.sum(w * w)) for w in within if len(w) > 1)
-    rho = float(np.clip(num / den, 0.0, 0.95)) if den > 0 else 0.0
-    inflate = (1 + rho) / (1 - rho)  # the variance of a mean of autocorrelated points
-    groups = _lineages(runs)
-    means = np.array([np.concatenate([res[i] for i in g]).mean() for g in groups])
-    sizes = [sum(len(res[i]) for i in g) for g in groups]
-    dof = len(groups) - 2
-    mean_var = float(np.mean([point**2 * inflate / k for k in sizes]))
-    var = max(float(np.sum(means**2)) / max(dof, 1) - mean_var, 1e-8)
-    out = {"rung": math.sqrt(var), "point": point, "rho": rho, "dof": float(max(dof, 0)), "lineages": len(groups),
-           "offsets": [float(m) for m in means]}  # fmt: skip
-    if floor:
-        k = float(floor["dof"])
-        pooled = (max(dof, 0) * var + k * float(floor["sd"]) ** 2) / (max(dof, 0) + k)
-        out.update(rung=math.sqrt(pooled), dof=max(dof, 0) + k, floor=dict(floor), ladder_rung=math.sqrt(var))
-    return out
-
-
-def _ar1(rng, n: int, sigma: float, rho: float) -> np.ndarray:
-    e = np.empty(n)
-    e[0] = rng.normal(0.0, sigma)
-    innov = sigma * math.sqrt(1.0 - rho * rho)
-    for i in range(1, n):
-        e[i] = rho * e[i - 1] + rng.normal(0.0, innov)
-    return e
-
-
-def draw_ladder(rng, fit: L.LawFit, runs: list[L.Run], noise: dict, rung_sd: float | None = None) -> list[L.Run]:
-    """Synthetic runs: the law's values at each run's points, each lineage off by an offset of its own
-    (sd ``rung_sd``, the measured one by default) and each run noisy from point to point."""
-    sd = noise["rung"] if rung_sd is None else rung_sd
-    offset = {}
-    out = []
-    for r in runs:
-        if r.lineage not in offset:
-            offset[r.lineage] = rng.normal(0.0, sd)
-        dev = offset[r.lineage] + _ar1(rng, len(r.steps), noise["point"], noise["rho"])
-        out.append(r.with_loss(r.steps, fit.predict(r) * np.exp(dev)))
-    return out
-
-
-def corrected_noise(fit: L.LawFit, runs: list[L.Run], noise: dict, rng, draws: int = 30) -> dict:
-    """The residuals' noise with its bias removed. A law of several parameters absorbs part of
-    every lineage's offset and of the noise about it, so the residuals read them low (with four rungs,
-    by half or more). Ladders drawn with the estimate and refitted show by how much: each spread is
-    scaled by estimate / (its re-estimate on those ladders), the autocorrelation moved by its shift.
-    A pooled noise floor (``noise["floor"]``) is left as it was measured."""
-    seen = []
-    for _ in range(draws):
-        synth = draw_ladder(rng, fit, runs, noise)
-        try:
-            seen.append(estimate_noise(L.fit_law(synth, fit.law, start=fit, e_fixed=_fixed_e(fit)), synth))
-        except L.LawError:
-            continue
-    if not seen:
-        return dict(noise)
-    out = dict(noise)
-    keys = ("point",) if "floor" in noise else ("rung", "point")
-    for key in keys:
-        again = math.sqrt(np.mean([x[key] ** 2 for x in seen]))
-        out[key] = noise[key] * noise[key] / max(again, 1e-12)
-    out["rho"] = float(np.clip(2 * noise["rho"] - np.mean([x["rho"] for x in seen]), 0.0, 0.95))
-    out["measured"] = {k: noise[k] for k in ("rung", "point", "rho")}
-    return out
-
-
-def _fixed_e(fit: L.LawFit) -> float | None:
-    return fit.linear[0] if "E" in fit.fixed else None
-
-
-def model_error(
-    use: list[L.Run],
-    law: str,
-    noise: dict,
-    target: L.Run,
-    e_fixed: float | None = None,
-    min_fraction: float = MIN_FRACTION,
-) -> dict:
-    """What the law misses beyond noise, measured by leaving each size out: the law fitted to the other
-    sizes forecasts the held-out size's runs (their mean log-error past 20% of each run). The excess of
-    those errors' mean square over what the noise alone gives (the lineage spread, the point noise's
-    share of a run's mean) is the model error's variance, with one degree of freedom per size left
-    out. It is assumed to grow with the distance in log-size: at the target, scaled by its distance
-    from the nearest size fitted over the folds' mean distance (never below 1).
-
-    The same forecasts of left-out sizes measure how far a clean run moves off its own level against
-    its forecast from one evaluation to the next (``track``: the rms of ``health.departures`` over
-    every left-out run's points), the width the health check's forecast_track is held to."""
-    sizes = sorted({r.n for r in use})
-    folds, track = [], []
-    for n in sizes:
-        rest, held = [r for r in use if r.n != n], [r for r in use if r.n == n]
-        try:
-            f = L.fit_law(rest, law, e_fixed=e_fixed)
-        except L.LawError:
-            continue
-        errs, counts = [], []
-        for r in held:
-            late = r.steps > 0.2 * r.total_steps + 1e-9
-            if np.any(late):
-                errs.append(float(np.mean(np.log(f.predict(r)[late] / r.loss[late]))))
-                counts.append(int(late.sum()))
-            d = departures(r.steps / r.total_steps, np.log(r.loss / f.predict(r)), min_fraction)
-            track.extend(float(x) for x in d[np.isfinite(d)])
-        if errs:
-            others = [m for m in sizes if m != n]
-            folds.append({"n": float(n), "error": float(np.mean(errs)), "points": counts,
-                          "distance": float(min(abs(math.log(n / m)) for m in others)),
-                          "extrapolation": bool(n > max(others) or n < min(others))})  # fmt: skip
-    tracked = {"rms": math.sqrt(float(np.mean(np.square(track)))) if track else None,
-               "max": float(np.max(np.abs(track))) if track else None, "points": len(track)}  # fmt: skip
-    inflate = (1 + noise["rho"]) / (1 - noise["rho"])
-    # what noise alone gives a fold's error: its runs' offset and the mean of their late points' noise
-    expected = float(np.mean([noise["rung"] ** 2 + noise["point"] ** 2 * inflate / np.mean(f["points"])
-                              for f in folds])) if folds else 0.0  # fmt: skip
-    if len(folds) < MIN_DOF:
-        return {"sd": 0.0, "dof": float(len(folds)), "folds": folds, "expected_sd": math.sqrt(expected),
-                "note": f"{len(folds)} sizes could be left out; the model error needs {MIN_DOF}", "track": tracked}  # fmt: skip
-    mse = float(np.mean([f["error"] ** 2 for f in folds]))
-    ref = float(np.mean([f["distance"] for f in folds]))
-    dist = float(min(abs(math.log(target.n / m)) for m in sizes))
-    # never 0 where the law missed a left-out end rung: at least the rms of those misses (the noise's
-    # share of them cannot be told apart with so few folds; the band errs wide, not narrow)
-    ends = [f["error"] for f in folds if f["extrapolation"]]
-    sd = max(math.sqrt(max(mse - expected, 0.0)), math.sqrt(float(np.mean(np.square(ends)))) if ends else 0.0)
-    return {"sd": sd, "dof": float(len(folds)), "folds": folds,
-            "rms": math.sqrt(mse), "expected_sd": math.sqrt(expected), "distance_ref": ref, "target_distance": dist,
-            "scale": max(1.0, dist / ref) if ref > 0 else 1.0, "track": tracked}  # fmt: skip
-
-
-def joint_band(
-    fit: L.LawFit,
-    runs: list[L.Run],
-    target: L.Run,
-    noise: dict,
-    n_boot: int = 200,
-    level: float = LEVEL,
-    seed: int = 0,
-    model: dict | None = None,
-    params: list | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The band (low, high) for the target's measured loss at its steps: see the module's docstring.
-    ``noise`` is the corrected one (``corrected_noise``); ``model`` the model error (``model_error``),
-    drawn as a Student t with its degrees of freedom; each refit's parameters go to ``params``."""
-    rng = np.random.default_rng(seed)
-    base = fit.predict(target)
-    draws = []
-    dof = max(noise["dof"], 1.0)
-    m_sd = (model or {}).get("sd", 0.0) * (model or {}).get("scale", 1.0)
-    for _ in range(n_boot):
-        sd = noise["rung"] * math.sqrt(dof / rng.chisquare(dof))
-        synth = draw_ladder(rng, fit, runs, noise, sd)
-        try:
-            refit = L.fit_law(synth, fit.law, start=[fit, *fit.alternatives], e_fixed=_fixed_e(fit))
-        except L.LawError:
-            continue
-        dev = rng.normal(0.0, sd) + _ar1(rng, len(target.steps), noise["point"], noise["rho"])
-        if m_sd > 0:
-            dev = dev + m_sd * rng.standard_t(model["dof"])
-        draws.append(refit.predict(target) * np.exp(dev))
-        if params is not None:
-            params.append(refit.params())
-    if not draws:
-        return base, base
-    draws = np.array(draws)
-    q = (1 - level) / 2
-    return np.quantile(draws, q, axis=0), np.quantile(draws, 1 - q, axis=0)
-
-
-def e_sensitivity(use: list[L.Run], fit: L.LawFit, target: L.Run, step: float = 0.5) -> dict:
-    """How much the forecast's final loss moves when E is held away from its fitted value (by
-    ``step`` nats either way, within [0, the smallest loss)), and how much worse the fit gets: a ladder
-    that cannot tell E moves the forecast while barely changing the fit."""
-    e0 = fit.linear[0]
-    lo_loss = float(min(r.loss.min() for r in use))
-    out = {"E": e0, "final": float(fit.predict(target)[-1]), "objective": fit.objective, "moves": []}
-    for e in (e0 - step, e0 + step):
-        if not 0.0 <= e < lo_loss:
-            continue
-        try:
-            f = L.fit_law(use, fit.law, e_fixed=e)
-        except L.LawError:
-            continue
-        final = float(f.predict(target)[-1])
-        out["moves"].append({"E": e, "final": final, "final_change": final / out["final"] - 1,
-                             "objective_ratio": f.objective / max(fit.objective, 1e-30)})  # fmt: skip
-    if out["moves"]:
-        out["final_change_per_nat"] = float(np.mean([abs(m["final_change"]) / step for m in out["moves"]]))
-    return out
 
 
 def forecast_joint(
@@ -545,8 +207,6 @@ def forecast(
             raise ForecastError("--ladder: fewer than two rungs have evaluations at the same fractions")
         fc["law"] = law
     elif law in L.PRIOR_LAWS:
-        from moelab.ladder import prior as P
-
         if prior is None:
             raise ForecastError(f"--law {law}: no prior given; it needs the recipe's prior file (--prior)")
         pr = P.Prior.from_dict(prior) if isinstance(prior, dict) else prior

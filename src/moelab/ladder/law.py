@@ -293,7 +293,10 @@ def fit_law(
     ``start``: a previous fit (or several: its alternatives) to start from alone (a bootstrap refit),
     instead of the starts found by variable projection; the best optimum of them is kept. ``weights``: per run, a weight per point (a bootstrap may drop points).
     ``e_fixed``: E held at this value (Marin fixes it; the data of a ladder may not tell it).
-    The fit names every parameter it left on a bound of its range (``at_bound``)."""
+    The fit names every parameter it left on a bound of its range (``at_bound``).
+
+    One function past 80 lines: the residuals, their Jacobian and the packing of parameters are
+    closures over the fit's arrays, bounds and held E; apart, each would take a dozen of them."""
     runs = check(runs, law)
     spec = SPECS[law]
     starts_given = [start] if isinstance(start, LawFit) else list(start or [])

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.errors import ForecastError
+from moelab.ladder.plan import load_ladder
 
 PRIOR_DIR = Path(__file__).with_name("priors")
 PRIOR_VERSION = 1
@@ -408,8 +409,6 @@ def prior_for(source: str | Path) -> Prior:
     """The prior named on the command line: a prior file, or a ladder YAML whose recipe's prior is shipped."""
     path = Path(source)
     if path.suffix in (".yaml", ".yml"):
-        from moelab.ladder.plan import load_ladder
-
         return load_prior(recipe_key(load_ladder(path)))
     if not path.is_file():
         raise ForecastError(f"--prior: {path} is not a file (give a prior JSON or the ladder's YAML)")

@@ -399,11 +399,13 @@ def run_placed(h: jax.Array, p: Placement, w: dict, capacity: int) -> jax.Array:
     return jnp.einsum("tkd,tk->td", per, jnp.where(p.kept, p.gates, 0.0).astype(per.dtype))
 
 
-def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatch: str) -> tuple[jax.Array, dict]:
+def routed_experts(
+    h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatch: str, runtime: pmesh.Runtime = pmesh.ONE
+) -> tuple[jax.Array, dict]:
     """Routed experts' output [t, din] and what the dispatch did (drops, spills, tokens per expert)."""
     t, k = r.idx.shape
     n_experts = m.n_routed
-    mesh = pmesh.active()
+    mesh = runtime.expert_mesh
     if mesh is not None:  # expert parallel: the transport decides; dropless = bounded rounds of every assignment
         grouped = lambda x, i, g, w: dropless(x, i, g, w, m.moe_impl)  # noqa: E731
         ops = ep.ExpertOps(expert_ffn, place_capacity, place_spill, _ranks, grouped)
@@ -414,7 +416,7 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
         zero = jnp.zeros((), jnp.float32)
         return y, {"dropped_frac": zero, "spilled_frac": zero, "tokens_per_expert": done}
 
-    group = m.capacity_group or t // pmesh.shards()  # 0: each device's tokens, one group
+    group = m.capacity_group or t // runtime.shards  # 0: each device's tokens, one group
     if t % group:
         raise ValueError(f"model.capacity_group={group} does not divide the {t} tokens of this batch")
     n_groups = t // group
@@ -439,7 +441,7 @@ def routed_experts(h: jax.Array, r: rt.Routing, w: dict, m: ModelConfig, dispatc
 
 
 def moe_block(
-    p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig, dispatch: str
+    p: dict, x: jax.Array, bias: jax.Array, m: ModelConfig, dispatch: str, runtime: pmesh.Runtime = pmesh.ONE
 ) -> tuple[jax.Array, dict, jax.Array]:
     """Shared experts + routed experts (in latent space when latent_dim > 0). x: [b, s, d].
 
@@ -448,12 +450,12 @@ def moe_block(
     b, s, d = x.shape
     xt = x.reshape(b * s, d)
     logits = jnp.dot(xt.astype(jnp.float32), p["router"].astype(jnp.float32))
-    r = rt.route(logits, bias, m)
+    r = rt.route(logits, bias, m, runtime)
     h = xt
     if m.latent_dim:
         h = rms_norm(xt @ p["latent_down"], p["latent_norm"], m.norm_eps)
     experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
-    y, stats = routed_experts(h, r, experts, m, dispatch)
+    y, stats = routed_experts(h, r, experts, m, dispatch, runtime)
     if m.latent_dim:
         y = y @ p["latent_up"]
     if m.n_shared:
@@ -469,9 +471,9 @@ def moe_block(
         bias_mean=jnp.mean(bias),
         bias_std=jnp.std(bias),
     )
-    if rt.whole_batch():  # a micro-step: the step updates the bias from the whole batch's statistics
-        metrics["bias_stat"] = jax.lax.stop_gradient(rt.bias_stat(r, bias, m))
+    if runtime.whole_batch:  # a micro-step: the step updates the bias from the whole batch's statistics
+        metrics["bias_stat"] = jax.lax.stop_gradient(rt.bias_stat(r, bias, m, runtime))
         metrics["aux_terms"] = jax.lax.stop_gradient(rt.aux_terms(r.log_scores, r.idx, m.n_routed))
         return y.reshape(b, s, d), metrics, bias
-    new_bias = jax.lax.stop_gradient(rt.next_bias(r, bias, m))
+    new_bias = jax.lax.stop_gradient(rt.next_bias(r, bias, m, runtime))
     return y.reshape(b, s, d), metrics, new_bias

@@ -6,7 +6,6 @@ come from the unbiased scores. A new bias is computed from each batch and used o
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import jax
@@ -26,7 +25,7 @@ class Routing(NamedTuple):
     gates: jax.Array  # [t, k]
 
 
-def route(logits: jax.Array, bias: jax.Array, m: ModelConfig) -> Routing:
+def route(logits: jax.Array, bias: jax.Array, m: ModelConfig, runtime: pmesh.Runtime = pmesh.ONE) -> Routing:
     """Pick top-k experts on bias-adjusted logits; gates from unbiased scores, renormalised.
 
     The renormalisation is done in log space: a token whose sigmoid scores all underflow (every
@@ -44,7 +43,7 @@ def route(logits: jax.Array, bias: jax.Array, m: ModelConfig) -> Routing:
     # the top k and the next ``spill_choices`` (spill walks those), not a full sort of the experts
     n_experts = logits.shape[-1]
     n = n_experts if m.spill_choices == 0 else min(n_experts, m.top_k + m.spill_choices)
-    _, order = pmesh.per_device(lambda a: jax.lax.top_k(a, n), adjusted)
+    _, order = pmesh.per_device(runtime, lambda a: jax.lax.top_k(a, n), adjusted)
     idx = order[:, : m.top_k]
     chosen = jnp.take_along_axis(log_scores, idx, axis=-1)
     log_norm = jax.nn.logsumexp(chosen, axis=-1) - jnp.log(jnp.float32(target_sum))
@@ -85,7 +84,7 @@ def expert_load(idx: jax.Array, n_experts: int) -> jax.Array:
     return jnp.zeros((n_experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
 
 
-def quantile_bias(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
+def quantile_bias(logits: jax.Array, bias: jax.Array, top_k: int, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     """Marin's quantile balancing: a new bias under which about t*k/E tokens pick each expert.
 
     Token t picks expert e iff logit[t,e] + b_e beats the k-th best bias-adjusted logit among
@@ -95,23 +94,23 @@ def quantile_bias(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
     """
     if top_k >= logits.shape[-1]:
         return jnp.zeros_like(bias)
-    return bias_from_margins(quantile_margins(logits, bias, top_k), top_k)
+    return bias_from_margins(quantile_margins(logits, bias, top_k, runtime), top_k, runtime)
 
 
-def quantile_margins(logits: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
+def quantile_margins(logits: jax.Array, bias: jax.Array, top_k: int, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     """Each token's margin over the threshold of every expert [t, e] (see ``quantile_bias``)."""
     logits = logits.astype(jnp.float32)
     n_experts = logits.shape[-1]
     if top_k >= n_experts:
         return jnp.zeros_like(logits)
     adjusted = logits + bias[None, :]
-    top, top_idx = pmesh.per_device(lambda a: jax.lax.top_k(a, top_k + 1), adjusted)
+    top, top_idx = pmesh.per_device(runtime, lambda a: jax.lax.top_k(a, top_k + 1), adjusted)
     chosen = jnp.any(top_idx[:, :top_k, None] == jnp.arange(n_experts)[None, None, :], axis=1)  # no scatter
     threshold = jnp.where(chosen, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k])
     return logits - threshold
 
 
-def bias_from_margins(margins: jax.Array, top_k: int) -> jax.Array:
+def bias_from_margins(margins: jax.Array, top_k: int, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     """The quantile bias from margins [t, e]: the tokens' order does not matter, so the margins of
     several micro-batches concatenated give the whole batch's bias."""
     n_experts = margins.shape[-1]
@@ -119,7 +118,7 @@ def bias_from_margins(margins: jax.Array, top_k: int) -> jax.Array:
         return jnp.zeros((n_experts,), jnp.float32)
     q = 1.0 - top_k / n_experts
     # on a mesh the tokens are split across devices: count instead of sorting them all in one place
-    new = -(column_quantile(margins, q) if pmesh.shards() > 1 else jnp.quantile(margins, q, axis=0))
+    new = -(column_quantile(margins, q) if runtime.shards > 1 else jnp.quantile(margins, q, axis=0))
     return new - jnp.mean(new)
 
 
@@ -168,40 +167,20 @@ def sign_bias(idx: jax.Array, bias: jax.Array, rate: float) -> jax.Array:
     return bias + rate * jnp.sign(jnp.mean(load) - load)
 
 
-_WHOLE_BATCH = False  # set while tracing a micro-step of gradient accumulation
-
-
-@contextlib.contextmanager
-def whole_batch_statistics():
-    """While tracing under this, MoE blocks leave their bias unchanged and report what the bias
-    update needs (``bias_stat``) and the aux loss's terms (``aux_terms``), so that a step of several
-    micro-batches computes both from the whole batch (moelab.train.step)."""
-    global _WHOLE_BATCH
-    before, _WHOLE_BATCH = _WHOLE_BATCH, True
-    try:
-        yield
-    finally:
-        _WHOLE_BATCH = before
-
-
-def whole_batch() -> bool:
-    return _WHOLE_BATCH
-
-
-def bias_stat(r: Routing, bias: jax.Array, m: ModelConfig) -> jax.Array:
+def bias_stat(r: Routing, bias: jax.Array, m: ModelConfig, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     """What the bias update reads of a batch, in a form micro-batches combine: the quantile update's
     margins [t, e] (concatenated), the sign update's loads [e] (summed); nothing for none."""
     if m.bias_update == "quantile":
-        return quantile_margins(r.logits, bias, m.top_k)
+        return quantile_margins(r.logits, bias, m.top_k, runtime)
     if m.bias_update == "sign":
         return expert_load(r.idx, bias.shape[0])
     return jnp.zeros((0,), jnp.float32)
 
 
-def bias_from_stat(stat: jax.Array, bias: jax.Array, m: ModelConfig) -> jax.Array:
+def bias_from_stat(stat: jax.Array, bias: jax.Array, m: ModelConfig, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     """The new bias from a whole batch's combined ``bias_stat``."""
     if m.bias_update == "quantile":
-        return bias_from_margins(stat, m.top_k)
+        return bias_from_margins(stat, m.top_k, runtime)
     if m.bias_update == "sign":
         return bias + m.bias_rate * jnp.sign(jnp.mean(stat) - stat)
     return bias
@@ -214,9 +193,9 @@ def aux_terms(log_scores: jax.Array, idx: jax.Array, n_experts: int) -> jax.Arra
     return jnp.stack([expert_load(idx, n_experts) / idx.size, jnp.mean(probs, axis=0)])
 
 
-def next_bias(r: Routing, bias: jax.Array, m: ModelConfig) -> jax.Array:
+def next_bias(r: Routing, bias: jax.Array, m: ModelConfig, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
     if m.bias_update == "quantile":
-        return quantile_bias(r.logits, bias, m.top_k)
+        return quantile_bias(r.logits, bias, m.top_k, runtime)
     if m.bias_update == "sign":
         return sign_bias(r.idx, bias, m.bias_rate)
     return bias

@@ -6,7 +6,6 @@ Follow one token: embed -> per layer [RMSNorm -> attention -> +residual -> RMSNo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -122,12 +121,22 @@ def attention_impl(m: ModelConfig, seq: int) -> str:
     return "flash" if seq >= FLASH_MIN_SEQ else "blocked"
 
 
-def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, dispatch: str, capture: bool):
+def _layer(
+    x: jax.Array,
+    p: dict,
+    bias: jax.Array,
+    *,
+    i: int,
+    m: ModelConfig,
+    dispatch: str,
+    capture: bool,
+    runtime: pmesh.Runtime,
+):
     """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step).
 
     Under FSDP the layer's weights are gathered here, inside any rematerialised region: a
     recomputed layer gathers them again rather than keeping every layer's whole weights alive."""
-    p = pmesh.gathered(p)
+    p = pmesh.gathered(p, runtime)
     h = rms_norm(x, p["attn_norm"], m.norm_eps)
     with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
         a = attention(
@@ -143,12 +152,12 @@ def _layer(x: jax.Array, p: dict, bias: jax.Array, *, i: int, m: ModelConfig, di
             rope_scaling=rope_scaling_of(m),
             eps=m.norm_eps,
             impl=attention_impl(m, x.shape[1]),
-            fused_qkv=pmesh.active() is None,
+            fused_qkv=runtime.expert_mesh is None,
         )
     x = x + a
     h = rms_norm(x, p["mlp_norm"], m.norm_eps)
     with jax.named_scope("moe"):
-        y, metrics, new_bias = moe_block(p, h, bias, m, dispatch)
+        y, metrics, new_bias = moe_block(p, h, bias, m, dispatch, runtime)
     if capture:
         metrics = dict(metrics, moe_input=h)
     return x + y, metrics, new_bias
@@ -180,7 +189,9 @@ def scan_blocks(m: ModelConfig) -> tuple[int, int]:
     return period, n_full
 
 
-def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool):
+def _scan_layers(
+    params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool, runtime: pmesh.Runtime
+):
     """Layers as a ``lax.scan`` over whole periods of the local/global pattern: the step compiles
     one period whatever the depth. Layers past the last whole period (and all of them when there
     are fewer than two periods, or the pattern is not periodic) are left to the caller, unrolled.
@@ -196,7 +207,7 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
         return x, 0, [], []
     fold = lambda a: a[:n_full].reshape((n_full // period, period) + a.shape[1:])  # noqa: E731
 
-    offload = m.remat != "none" and _OFFLOAD_INPUTS
+    offload = m.remat != "none" and runtime.offload_inputs
     policy = offload_policy() if offload else None
 
     def saved(fn):
@@ -210,7 +221,7 @@ def _scan_layers(params: dict, state: dict, x: jax.Array, m: ModelConfig, dispat
         metrics, biases = [], []
         for j in range(period):
             p = jax.tree.map(lambda a, j=j: a[j], p_stack)
-            one = functools.partial(_layer, i=j, m=m, dispatch=dispatch, capture=capture)
+            one = functools.partial(_layer, i=j, m=m, dispatch=dispatch, capture=capture, runtime=runtime)
             if m.remat == "each_layer":  # each layer its own checkpoint: one layer's residuals at a time
                 one = _remat_alone(one, offload)
             x, met, bias = one(x, p, bias_stack[j])
@@ -254,22 +265,6 @@ def _remat_alone(one, offload: bool):
     return layer
 
 
-_OFFLOAD_INPUTS = False  # set while tracing a train step with train.offload layer_inputs (or all)
-
-
-@contextlib.contextmanager
-def offloading_block_inputs():
-    """While tracing under this, ``remat`` saves each scanned block's (each layer's) input in host memory
-    (``pinned_host``) for the backward pass instead of the device's, as Marin does on GB200: JAX
-    copies it out in the forward pass and back in the backward pass."""
-    global _OFFLOAD_INPUTS
-    before, _OFFLOAD_INPUTS = _OFFLOAD_INPUTS, True
-    try:
-        yield
-    finally:
-        _OFFLOAD_INPUTS = before
-
-
 def offload_policy():
     """Save nothing on the device; offload the values named ``block_input`` to pinned host memory."""
     return jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -293,9 +288,17 @@ unstack.defvjp(
 
 
 def forward(
-    params: dict, state: dict, tokens: jax.Array, m: ModelConfig, dispatch: str | None = None, capture: bool = False
+    params: dict,
+    state: dict,
+    tokens: jax.Array,
+    m: ModelConfig,
+    dispatch: str | None = None,
+    capture: bool = False,
+    runtime: pmesh.Runtime = pmesh.ONE,
 ):
     """tokens: [b, s] int -> (hidden [b, s, d] after the final norm, per-layer metrics, new state).
+
+    ``runtime``: the mesh, FSDP and the step's tracing flags (``parallel.mesh.Runtime``; one device by default).
 
     ``capture``: the metrics also hold each MoE block's input (``moe_input``, [layers, b, s, d]),
     for studies that replay the routing (benchmarks/drops_vs_context.py)."""
@@ -303,15 +306,15 @@ def forward(
     dtype = jnp.dtype(m.dtype)
     if dtype != jnp.float32:
         params = _cast(params, dtype)
-    x = pmesh.gathered({"embed": params["embed"]})["embed"][tokens]
+    x = pmesh.gathered({"embed": params["embed"]}, runtime)["embed"][tokens]
     layer_metrics = []
     new_bias = []
     first = 0
     if scans(m):
-        x, first, layer_metrics, new_bias = _scan_layers(params, state, x, m, dispatch, capture)
+        x, first, layer_metrics, new_bias = _scan_layers(params, state, x, m, dispatch, capture, runtime)
     rest = params["layers"] if not first else jax.tree.map(lambda a: a[first:], params["layers"])
     for i, p in enumerate(unstack(rest) if first < m.n_layers else [], start=first):  # unrolled: local and
-        one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture)  # global layers differ
+        one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture, runtime=runtime)  # layers differ
         if m.remat != "none":
             one = jax.checkpoint(one)
         x, metrics, bias = one(x, p, state["router_bias"][i])
@@ -322,12 +325,14 @@ def forward(
     return x, metrics, {"router_bias": jnp.stack(new_bias)}
 
 
-def logits_of(params: dict, hidden: jax.Array) -> jax.Array:
-    head = pmesh.gathered({"head": params["head"]})["head"].astype(hidden.dtype)
+def logits_of(params: dict, hidden: jax.Array, runtime: pmesh.Runtime = pmesh.ONE) -> jax.Array:
+    head = pmesh.gathered({"head": params["head"]}, runtime)["head"].astype(hidden.dtype)
     return jnp.einsum("bsd,dv->bsv", hidden, head, preferred_element_type=jnp.float32)
 
 
-def ce_terms(params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+def ce_terms(
+    params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0, runtime: pmesh.Runtime = pmesh.ONE
+) -> tuple[jax.Array, jax.Array]:
     """Each token's log-partition and target logit, [b, s] each, in fp32.
 
     ``chunk`` > 0: ``chunk`` tokens at a time, each chunk's logits recomputed in the backward pass,
@@ -338,7 +343,7 @@ def ce_terms(params: dict, hidden: jax.Array, targets: jax.Array, chunk: int = 0
 
     def terms(args):
         hc, tc = args
-        logits = logits_of(params, hc)
+        logits = logits_of(params, hc, runtime)
         return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
 
     if not chunk or chunk >= n:
@@ -374,15 +379,16 @@ def loss_fn(
     mask: jax.Array | None = None,
     train: bool = True,
     logit_z_scale=1.0,
+    runtime: pmesh.Runtime = pmesh.ONE,
 ):
     """Cross-entropy + logit z-loss + router aux and z terms. Returns (loss, (metrics, new_state)).
 
     Router aux and z terms are averaged over layers before their coefficients apply.
     """
     dispatch = m.dispatch if train else (m.eval_dispatch or m.dispatch)
-    hidden, layers, new_state = forward(params, state, inputs, m, dispatch)
+    hidden, layers, new_state = forward(params, state, inputs, m, dispatch, runtime=runtime)
     with jax.named_scope("head"):
-        lse, target_logit = ce_terms(params, hidden, targets, m.ce_chunk)
+        lse, target_logit = ce_terms(params, hidden, targets, m.ce_chunk, runtime)
     weight = jnp.ones_like(lse) if mask is None else mask.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(weight), 1.0)
     ce = jnp.sum((lse - target_logit) * weight) / denom

@@ -9,10 +9,16 @@ the rungs' at the same fraction of training.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from moelab.monitor.reference import reference_factors
+from moelab.runs import RunDir, load_run_config, read_jsonl
+from moelab.schedule import hyper
 
 LEVELS = ("OK", "WATCH", "ALERT")
 RATE_WINDOW = 0.1  # the gradient norm's rate of change is judged over this fraction of the run
@@ -94,11 +100,6 @@ def _window_median(grid: np.ndarray, f: np.ndarray, x: np.ndarray) -> np.ndarray
 
 def ladder_trajectories(run_dirs) -> LadderTrajectories:
     """Read the rungs' training records; refuse (ValueError, naming the directory) what cannot be used."""
-    import json
-    from pathlib import Path
-
-    from moelab.runs import read_jsonl
-
     grid = np.arange(1, 101) / 100
     logs, drops, names = [], [], []
     for d in run_dirs:
@@ -220,50 +221,7 @@ class HealthMonitor:
             else:
                 yield "loss_decreasing", "OK", f"loss {rec['loss']:.3f}, recent median {med:.3f}", score
         if len(finite) > 2 * w:
-            g = np.array([r["grad_norm"] for r in finite[-2 * w :]])
-            ratio = float(np.median(g[w:]) / max(np.median(g[:w]), 1e-12))
-            rising = bool(np.all(np.diff(g[w:]) > 0))
-            score = ratio / 2.0 if rising else min(ratio / 2.0, 0.99)
-            if ratio > 2.0 and rising:
-                yield (
-                    "grad_norm_growth",
-                    "ALERT",
-                    f"gradient norm grew {ratio:.1f}x over {w} log steps and is still rising",
-                    score,
-                )
-            elif ratio > 1.5:
-                yield "grad_norm_growth", "WATCH", f"gradient norm grew {ratio:.1f}x over {w} log steps", score
-            else:
-                yield "grad_norm_growth", "OK", f"gradient norm ratio {ratio:.2f} over {w} log steps", score
-            d = np.array([r.get("dropped_frac", 0.0) for r in finite[-2 * w :]])
-            before, now = float(np.median(d[:w])), float(np.median(d[w:]))
-            score = min(now / 0.05, now / (2 * before + 0.01))
-            if now > 0.05 and now > 2 * before + 0.01:
-                yield "drops_trend", "ALERT", f"dropped fraction climbed from {before:.3f} to {now:.3f}", score
-            elif now > 0.02 and now > 1.5 * before + 0.005:
-                yield "drops_trend", "WATCH", f"dropped fraction rising: {before:.3f} to {now:.3f}", score
-            else:
-                yield "drops_trend", "OK", f"dropped fraction {now:.3f}", score
-            mfu = np.array([r.get("mfu", math.nan) for r in finite[-2 * w :]], float)
-            if np.all(np.isfinite(mfu)) and np.median(mfu[:w]) > 0:
-                drop = 1 - float(np.median(mfu[w:]) / np.median(mfu[:w]))
-                yield "mfu_constant", "WATCH" if drop > 0.3 else "OK", f"MFU changed by {-drop:+.0%} over {w} log steps"
-            emb = [r.get("param_norm_groups", {}).get("embedding") for r in finite[-2 * w :]]
-            if all(e is not None for e in emb) and emb[0] > 0:
-                growth = emb[-1] / emb[0]
-                yield (
-                    "embedding_norm",
-                    "WATCH" if growth > 1.5 else "OK",
-                    f"embedding norm x{growth:.2f} over {2 * w} log steps",
-                )
-            bias = [r.get("bias_std") for r in finite[-2 * w :]]
-            if all(b is not None for b in bias) and bias[0] > 1e-6:
-                change = bias[-1] / bias[0]
-                yield (
-                    "router_bias_steady",
-                    "WATCH" if change > 3 or change < 1 / 3 else "OK",
-                    f"bias spread x{change:.2f}",
-                )
+            yield from self._window_trends(finite)
         if finite and math.isfinite(rec.get("logit_z", math.nan)):
             yield from self._logit_growth(finite)
         if self.ladder is not None and self.steps and finite:
@@ -280,6 +238,55 @@ class HealthMonitor:
                 "OK" if score <= 1 else "ALERT",
                 f"the optimiser applied {rec['lr']:.4g}; the plan registered at launch says {want:.4g}",
                 score,
+            )
+
+    def _window_trends(self, finite: list[dict]):
+        """The gradient norm, dropped fraction, MFU, embedding norm and router bias over the last two
+        windows of finite records (the newer against the older)."""
+        w = self.window
+        g = np.array([r["grad_norm"] for r in finite[-2 * w :]])
+        ratio = float(np.median(g[w:]) / max(np.median(g[:w]), 1e-12))
+        rising = bool(np.all(np.diff(g[w:]) > 0))
+        score = ratio / 2.0 if rising else min(ratio / 2.0, 0.99)
+        if ratio > 2.0 and rising:
+            yield (
+                "grad_norm_growth",
+                "ALERT",
+                f"gradient norm grew {ratio:.1f}x over {w} log steps and is still rising",
+                score,
+            )
+        elif ratio > 1.5:
+            yield "grad_norm_growth", "WATCH", f"gradient norm grew {ratio:.1f}x over {w} log steps", score
+        else:
+            yield "grad_norm_growth", "OK", f"gradient norm ratio {ratio:.2f} over {w} log steps", score
+        d = np.array([r.get("dropped_frac", 0.0) for r in finite[-2 * w :]])
+        before, now = float(np.median(d[:w])), float(np.median(d[w:]))
+        score = min(now / 0.05, now / (2 * before + 0.01))
+        if now > 0.05 and now > 2 * before + 0.01:
+            yield "drops_trend", "ALERT", f"dropped fraction climbed from {before:.3f} to {now:.3f}", score
+        elif now > 0.02 and now > 1.5 * before + 0.005:
+            yield "drops_trend", "WATCH", f"dropped fraction rising: {before:.3f} to {now:.3f}", score
+        else:
+            yield "drops_trend", "OK", f"dropped fraction {now:.3f}", score
+        mfu = np.array([r.get("mfu", math.nan) for r in finite[-2 * w :]], float)
+        if np.all(np.isfinite(mfu)) and np.median(mfu[:w]) > 0:
+            drop = 1 - float(np.median(mfu[w:]) / np.median(mfu[:w]))
+            yield "mfu_constant", "WATCH" if drop > 0.3 else "OK", f"MFU changed by {-drop:+.0%} over {w} log steps"
+        emb = [r.get("param_norm_groups", {}).get("embedding") for r in finite[-2 * w :]]
+        if all(e is not None for e in emb) and emb[0] > 0:
+            growth = emb[-1] / emb[0]
+            yield (
+                "embedding_norm",
+                "WATCH" if growth > 1.5 else "OK",
+                f"embedding norm x{growth:.2f} over {2 * w} log steps",
+            )
+        bias = [r.get("bias_std") for r in finite[-2 * w :]]
+        if all(b is not None for b in bias) and bias[0] > 1e-6:
+            change = bias[-1] / bias[0]
+            yield (
+                "router_bias_steady",
+                "WATCH" if change > 3 or change < 1 / 3 else "OK",
+                f"bias spread x{change:.2f}",
             )
 
     def _logit_growth(self, finite: list[dict]):
@@ -435,8 +442,6 @@ def forecast_problem(fc) -> str | None:
 
 def ladder_from_forecast(forecast: dict | None) -> LadderTrajectories | None:
     """The trajectories of the rungs a forecast was made from, when they are all still there."""
-    from pathlib import Path
-
     dirs = (forecast or {}).get("rungs") or []
     if not dirs or not all((Path(d) / "metrics.jsonl").is_file() for d in dirs):
         return None
@@ -460,17 +465,11 @@ def check_run(run_dir, forecast: dict | None = None, ladder=None, scales=None) -
     """The monitor over a run directory's records (its learning-rate schedule, the forecast and
     ladder given, or the rungs the forecast names), and each check's summary: level, newest
     step and evidence, first ALERT."""
-    from pathlib import Path
-
-    from moelab.monitor.reference import reference_factors
-    from moelab.runs import RunDir, load_run_config, read_jsonl
-    from moelab.train import optim
-
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     plan = RunDir(run_dir).read_lr_plan()  # the plan registered at the run's newest launch
     if plan is None:  # a run from before plans were registered: its schedule as its definition reads
-        plan = optim.hyper(cfg).peak_lr * reference_factors(cfg.train)
+        plan = hyper(cfg).peak_lr * reference_factors(cfg.train)
     mon = check_records(
         read_jsonl(run_dir / "metrics.jsonl"),
         lambda s: plan[min(s, len(plan) - 1)],

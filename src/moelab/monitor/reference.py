@@ -1,7 +1,7 @@
 """The learning-rate schedule as its definition reads, written apart from the code that trains.
 
 The lr_schedule health check holds the rate the optimiser applied (read from its state) against
-these numbers, not against `moelab.train.optim.lr_factor`, which sets the rate: a bug in that
+these numbers, not against `moelab.schedule.lr_factor`, which sets the rate: a bug in that
 function would otherwise agree with itself. Plain Python, one step at a time, from the definition
 in the README:
 

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 from moelab.errors import MeshError  # noqa: F401 - raised here, importable from here
 
@@ -62,8 +63,41 @@ RULES: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 RULES_REPLICATED: dict[str, tuple[tuple[str, ...], ...]] = {"experts": (("expert",),)}  # mesh.fsdp: false
 
-_ACTIVE = None  # the mesh the model's MoE blocks run their transports on (None: one device)
-_FSDP = False  # whether the active mesh shards parameters over `data` (weights gathered at use)
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the model's program is traced, passed in where it is traced (never a module's state).
+
+    ``mesh``: the (data, expert) mesh the model runs on (None: one device): MoE blocks use the
+    expert-parallel transports when its ``expert`` axis has several devices, and row-wise ops stay
+    on each device's rows (``per_device``). ``fsdp``: each layer's weights are gathered over ``data``
+    where used (``gathered``). ``whole_batch``: a micro-step of gradient accumulation, whose MoE blocks
+    leave their bias unchanged and report what the whole batch's bias update and aux loss need.
+    ``offload_inputs``: ``remat`` keeps each block's input in host memory (train.offload)."""
+
+    mesh: object = None
+    fsdp: bool = False
+    whole_batch: bool = False
+    offload_inputs: bool = False
+
+    @property
+    def expert_mesh(self):
+        """The mesh when it has more than one device on its expert axis (the transports run on it), else None."""
+        if self.mesh is None or self.mesh.shape["expert"] == 1:
+            return None
+        return self.mesh
+
+    @property
+    def shards(self) -> int:
+        """How many devices a batch is split over (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.size
+
+    def on(self, mesh, fsdp: bool = False) -> Runtime:
+        """This runtime on ``mesh`` (FSDP only with a mesh)."""
+        return Runtime(mesh, bool(fsdp and mesh is not None), self.whole_batch, self.offload_inputs)
+
+
+ONE = Runtime()  # one device, no micro-steps, nothing offloaded
 
 
 def rules(fsdp: bool) -> dict[str, tuple[tuple[str, ...], ...]]:
@@ -140,35 +174,16 @@ def auto_mesh(data: int, expert: int, devices=None):
     return jax.make_mesh((data, expert), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto), **kw)
 
 
-def set_active(mesh, fsdp: bool = False) -> None:
-    """Make the model run on ``mesh`` (None: one device): MoE blocks through the expert-parallel
-    transports, and, with ``fsdp``, each layer's weights gathered over ``data`` where used."""
-    global _ACTIVE, _FSDP
-    _ACTIVE, _FSDP = mesh, bool(fsdp and mesh is not None)
-
-
-def active():
-    """The active mesh when it has more than one device on its expert axis, else None."""
-    if _ACTIVE is None or _ACTIVE.shape["expert"] == 1:
-        return None
-    return _ACTIVE
-
-
-def shards() -> int:
-    """How many devices the active mesh splits a batch over (1 without one)."""
-    return 1 if _ACTIVE is None else _ACTIVE.size
-
-
-def per_device(fn, *xs):
-    """``fn`` on each device's rows of token-major arrays (split over ``BATCH``) under an active
-    mesh; a plain call otherwise. XLA's partitioner would gather some row-wise ops whole first
+def per_device(runtime: Runtime, fn, *xs):
+    """``fn`` on each device's rows of token-major arrays (split over ``BATCH``) on ``runtime``'s
+    mesh; a plain call without one. XLA's partitioner would gather some row-wise ops whole first
     (its TopK among them): this keeps them local."""
-    if _ACTIVE is None or _ACTIVE.size == 1:
+    if runtime.mesh is None or runtime.mesh.size == 1:
         return fn(*xs)
     import jax
     from jax.sharding import PartitionSpec as P
 
-    return jax.shard_map(fn, mesh=_ACTIVE, in_specs=tuple(P(BATCH) for _ in xs), out_specs=P(BATCH))(*xs)
+    return jax.shard_map(fn, mesh=runtime.mesh, in_specs=tuple(P(BATCH) for _ in xs), out_specs=P(BATCH))(*xs)
 
 
 def _leaf_name(path) -> str:
@@ -204,20 +219,21 @@ def shard_tree(tree, mesh, fsdp: bool = False):
     return jax.device_put(tree, tree_shardings(tree, mesh, fsdp))
 
 
-def gathered(tree):
+def gathered(tree, runtime: Runtime):
     """Inside the model: a layer's weights (or the embeddings) gathered over ``data`` for use,
     experts still split over ``expert``: the ZeRO-3 all-gather, whose transpose in the backward
-    pass is the gradients' reduce-scatter. Nothing without an active FSDP mesh."""
-    if not _FSDP:
+    pass is the gradients' reduce-scatter. Nothing unless ``runtime`` is FSDP on a mesh."""
+    if not runtime.fsdp:
         return tree
     import jax
     from jax.sharding import NamedSharding
 
-    sizes = dict(_ACTIVE.shape)
+    mesh = runtime.mesh
+    sizes = dict(mesh.shape)
 
     def one(path, leaf):  # the compute placement: experts split over `expert`, everything else whole
         spec = spec_for(_leaf_name(path), tuple(leaf.shape), sizes, False)
-        return jax.lax.with_sharding_constraint(leaf, NamedSharding(_ACTIVE, spec))
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

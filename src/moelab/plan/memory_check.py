@@ -51,12 +51,8 @@ def compiled_bytes(cfg: Config, data: int, expert: int, micro_batch: int, fsdp: 
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
     m = cfg.model
     batch = jax.ShapeDtypeStruct((micro_batch * n_dev, m.seq_len + 1), np.int32, sharding=pmesh.batch_sharding(mesh))
-    pmesh.set_active(mesh, fsdp)
-    try:
-        step = make_train_step(cfg, opt, optim.hyper(cfg), shardings)
-        compiled = step.lower(abstract, batch, np.int32(0), np.bool_(False), None).compile()
-    finally:
-        pmesh.set_active(None)
+    step = make_train_step(cfg, opt, optim.hyper(cfg), shardings, mesh=mesh, fsdp=fsdp)
+    compiled = step.lower(abstract, batch, np.int32(0)).compile()
     mem = compiled.memory_analysis()
     out = {
         "arguments": int(mem.argument_size_in_bytes),

@@ -4,23 +4,23 @@ An experiment is found by its journal (``experiments/NAME/journal.jsonl`` under 
 folder below it); a plain run (`moelab train --out DIR`) by its ``config.json`` in a folder that is
 no lab step's output. The index lists both; each gets a page.
 
-Plain HTML and CSS with the plots inlined as SVG by matplotlib: no JavaScript, no CDN, no
-server, so the pages open from a folder, an archive or a mail attachment exactly as written.
-Every piece of user text goes through ``html.escape``.
+Plain HTML and CSS with the plots inlined as SVG by matplotlib (``moelab.report.plots``): no
+JavaScript, no CDN, no server, so the pages open from a folder, an archive or a mail attachment
+exactly as written. Every piece of user text goes through ``html.escape``.
 """
 
 from __future__ import annotations
 
 import difflib
 import html
-import io
 import json
 import time
 from pathlib import Path
 
-import numpy as np
-
+from moelab import accounting
+from moelab.config import config_from_dict
 from moelab.lab.journal import Journal, attempt_rows, headline, record, verdict_text
+from moelab.report.plots import run_plots
 from moelab.runs import read_jsonl
 
 CSS = """
@@ -48,224 +48,6 @@ def _page(title: str, body: str) -> str:
         f"<meta name=viewport content='width=device-width'><style>{CSS}</style></head><body>{body}"
         f"<p class=muted>Written by moelab report on {time.strftime('%Y-%m-%d %H:%M')}.</p></body></html>"
     )
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg") :]
-
-
-def _fig(title: str, xlabel: str = "step", ylabel: str = ""):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.fonttype"] = "none"
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    return fig, ax
-
-
-def _per_layer(steps: np.ndarray, tr: list[dict], key: str, title: str) -> str:
-    fig, ax = _fig(title)
-    per = np.array([r[key] for r in tr])
-    for i in range(per.shape[1]):
-        ax.plot(steps, per[:, i], label=f"layer {i}")
-    ax.legend(fontsize=7)
-    return _svg(fig)
-
-
-def forecast_figure(run_dir: Path):
-    """The forecast (line and band) against the run's held-out curve and the rungs' curves, over
-    the fraction of each run; None when the run has no forecast.json or no evaluations."""
-    path = run_dir / "forecast.json"
-    if not path.exists():
-        return None
-    fc = json.loads(path.read_text())
-    ev = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
-    if not ev:
-        return None
-    steps = fc["steps"][-1] / fc["fractions"][-1]
-    law = fc.get("law", "per-fraction")
-    agg = fc.get("metric", "macro")  # what the forecast is of (older forecasts: the macro loss)
-    fig, ax = _fig(
-        f"Forecast of {fc.get('target', run_dir.name)} ({law}) against its held-out loss",
-        xlabel="fraction of the run",
-        ylabel=f"held-out loss, dropless, {agg} (nats / token)",
-    )
-    seen = [r["loss_dropless"][agg] for r in ev]
-    for rung in fc.get("rungs", []):
-        recs = [r for r in read_jsonl(Path(rung) / "metrics.jsonl") if r.get("kind") == "eval" and r["step"] > 0]
-        cfg = Path(rung) / "config.json"
-        if recs and cfg.exists():
-            n = json.loads(cfg.read_text())["config"]["train"]["steps"]
-            ax.plot([r["step"] / n for r in recs], [r["loss_dropless"].get(agg) for r in recs], color="0.75", lw=1)
-            seen += [r["loss_dropless"][agg] for r in recs if agg in r["loss_dropless"]]
-    ax.plot([], [], color="0.75", lw=1, label="ladder rungs")
-    curve = fc.get("curve") or {"steps": fc["steps"], "loss": fc["loss"], "low": fc["low"], "high": fc["high"]}
-    x = [s / steps for s in curve["steps"]]
-    level = fc.get("band", {}).get("level", 0.9)
-    ax.fill_between(x, curve["low"], curve["high"], alpha=0.25, color="C0", label=f"registered band ({level:.0%})")
-    ax.plot(x, curve["loss"], color="C0", ls="--", label="registered forecast")
-    for e in [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "forecast"][:-1]:
-        older = run_dir / e["path"]  # a version before the newest (a re-plan replaced it): drawn faint
-        if older.is_file():
-            o = json.loads(older.read_text())
-            ax.plot(
-                [s / steps for s in o["steps"]],
-                o["loss"],
-                color="0.5",
-                ls="--",
-                lw=0.8,
-                label=f"forecast version {e['version']} ({e['source']})",
-            )
-    updates = read_jsonl(run_dir / "forecast_updates.jsonl")
-    if updates:  # the newest refit with the run's own evaluations: an update, drawn apart
-        u = updates[-1]
-        ax.plot([s / steps for s in u["steps"]], u["loss"], color="C2", ls=":", label=f"updated at step {u['at_step']}")
-    ax.plot(
-        [r["step"] / steps for r in ev],
-        [r["loss_dropless"][agg] for r in ev],
-        color="C3",
-        marker=".",
-        label="actual",
-    )
-    lows = [x for x in (*fc["low"], *seen) if x == x]
-    ax.set_ylim(0.95 * min(lows), 1.05 * max(seen))  # the measured curves, not the law before its first point
-    ax.legend(fontsize=7)
-    return fig
-
-
-def task_plots(ev: list[dict]) -> list[tuple[str, str]]:
-    """One plot per task of train.task_evals against tokens: accuracy and length-normalised accuracy
-    with the chance level (multiple choice), or the target's bits per byte."""
-    scored = [r for r in ev if r.get("tasks")]
-    out = []
-    for name in scored[0]["tasks"] if scored else []:
-        rows = [r for r in scored if name in r["tasks"]]
-        tokens = [r["tokens"] for r in rows]
-        got = [r["tasks"][name] for r in rows]
-        if "acc" in got[0]:
-            fig, ax = _fig(f"Task {name}: accuracy by log-likelihood", xlabel="tokens", ylabel="accuracy")
-            ax.plot(tokens, [g["acc"] for g in got], marker=".", label="acc")
-            ax.plot(tokens, [g["acc_norm"] for g in got], marker=".", ls="--", label="acc_norm (per character)")
-            ax.axhline(got[0]["chance"], color="0.4", ls=":", label=f"chance {got[0]['chance']:.3g}")
-            ax.set_ylim(0, 1)
-        else:
-            fig, ax = _fig(f"Task {name}: the target's bits per byte", xlabel="tokens", ylabel="bits / byte")
-            ax.plot(tokens, [g["bpb"] for g in got], marker=".", label="bits per byte")
-        ax.legend(fontsize=7)
-        out.append((f"task-{name}", _svg(fig)))
-    return out
-
-
-def run_plots(run_dir: Path) -> list[tuple[str, str]]:
-    """(title, inline svg) for one training run's metrics.jsonl."""
-    recs = read_jsonl(run_dir / "metrics.jsonl")
-    tr = [r for r in recs if r.get("kind") == "train"]
-    ev = [r for r in recs if r.get("kind") == "eval"]
-    plots = []
-    if not tr and not ev:
-        return plots
-    steps = np.array([r["step"] for r in tr])
-
-    fig, ax = _fig("Loss: training, and held-out per domain", ylabel="nats / token")
-    if tr:
-        ax.plot(steps, [r["loss"] for r in tr], color="0.6", lw=1, label="train (batch)", gid="train-loss")
-    if ev:
-        for d in ev[0]["loss"]:
-            ax.plot(
-                [r["step"] for r in ev],
-                [r["loss"][d] for r in ev],
-                marker=".",
-                lw=1.5 if d == "macro" else 1,
-                label=f"held-out {d}",
-            )
-        # a long-context phase: where each length starts (a resume repeats its length's event: not a change)
-        seen = sorted(
-            {(e["step"], e["seq_len"]) for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "context"}
-        )
-        for (_, before), (step, length) in zip(seen, seen[1:], strict=False):
-            if length != before:
-                ax.axvline(step, color="0.5", ls=":", lw=1)
-                ax.annotate(f"{length} tokens from here", (step, 0.98), xycoords=("data", "axes fraction"),
-                            fontsize=7, ha="right", va="top", rotation=90)  # fmt: skip
-        forecast = run_dir / "forecast.json"
-        if forecast.exists():
-            f = json.loads(forecast.read_text())
-            ax.fill_between(f["steps"], f["low"], f["high"], alpha=0.2, label="forecast band")
-    ax.legend(fontsize=7)
-    plots.append(("loss", _svg(fig)))
-    plots.extend(task_plots(ev))
-    fig = forecast_figure(run_dir)
-    if fig is not None:
-        plots.append(("forecast", _svg(fig)))
-    if not tr:
-        return plots
-
-    fig, ax = _fig("Learning rate")
-    ax.plot(steps, [r["lr"] for r in tr])
-    plots.append(("lr", _svg(fig)))
-
-    fig, ax = _fig("Gradient norm per parameter group")
-    for g in tr[0]["grad_norm_groups"]:
-        ax.plot(steps, [r["grad_norm_groups"][g] for r in tr], label=g)
-    ax.plot(steps, [r["grad_norm"] for r in tr], color="k", lw=1.5, label="global")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    plots.append(("grad_norm", _svg(fig)))
-
-    plots.append(
-        ("dropped", _per_layer(steps, tr, "dropped_frac_per_layer", "Dropped fraction of assignments per layer"))
-    )
-
-    load = np.array([r["expert_load"] for r in tr], dtype=float)  # [steps, layers, experts]
-    layers = sorted(set(np.linspace(0, load.shape[1] - 1, min(load.shape[1], 4)).round().astype(int)))
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(layers), 1, figsize=(6.4, 1.6 * len(layers) + 0.8), squeeze=False)
-    for ax, layer in zip(axes[:, 0], layers, strict=True):
-        rel = load[:, layer, :] / load[:, layer, :].mean(axis=1, keepdims=True)
-        im = ax.imshow(
-            rel.T,
-            aspect="auto",
-            cmap="viridis",
-            origin="lower",
-            extent=(steps[0], steps[-1], -0.5, rel.shape[1] - 0.5),
-            vmin=0,
-        )
-        ax.set_ylabel(f"layer {layer}\nexpert", fontsize=8)
-    axes[0, 0].set_title("Expert load over steps (load / mean load)", fontsize=11)
-    axes[-1, 0].set_xlabel("step")
-    fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.8)
-    plots.append(("expert_load", _svg(fig)))
-
-    plots.append(
-        (
-            "router_entropy",
-            _per_layer(steps, tr, "router_entropy_per_layer", "Router entropy (1 = uniform over experts)"),
-        )
-    )
-
-    fig, ax = _fig("Throughput", ylabel="tokens / s")
-    ax.plot(steps, [r["tokens_per_s"] for r in tr], label="tokens/s")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [100 * r["mfu"] for r in tr], color="tab:red", label="MFU %")
-    ax2.set_ylabel("MFU (%)")
-    ax.legend(loc="upper left", fontsize=7)
-    ax2.legend(loc="upper right", fontsize=7)
-    plots.append(("throughput", _svg(fig)))
-    return plots
 
 
 def _timeline(events: list[dict]) -> str:
@@ -347,9 +129,10 @@ def _health_section(name: str, health: dict, journal: list[dict]) -> str:
 
 
 def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
+    """An experiment's page (its declaration, prediction against outcome, steps, health, configuration,
+    plots and timeline) and its index row."""
     events = Journal(journal_path).read()
     declared = [e for e in events if e["event"] == "declared"]
-    preds = [e for e in events if e["event"] == "prediction_registered"]
     rec = record(events)
     decl = declared[-1] if declared else {"title": journal_path.parent.name, "steps": []}
     counted = rec["declaration"] or decl  # the goal and hypothesis on record before the first step
@@ -366,7 +149,52 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
             f"<p class=posthoc>POST HOC: declaration version {d['version']}, recorded {_when(d['time'])}, after the "
             f"first step started: hypothesis <q>{E(d.get('hypothesis', ''))}</q></p>"
         )
-    body.append("<h2>Prediction against outcome</h2>")
+    body += _prediction_section(rec, events, declared)
+    steps, step_events, compute, statuses = _steps_section(prefix, decl)
+    body.append(steps)
+    for s in decl.get("steps", []):
+        health = prefix / s["dir"] / "health.json"
+        if health.exists():
+            body.append(_health_section(s["name"], json.loads(health.read_text()), events))
+    body += _config_section(prefix, decl, declared)
+
+    for s in decl.get("steps", []):
+        plots = run_plots(prefix / s["dir"])
+        if plots:
+            body.append(f"<h2>Plots: {E(s['name'])}</h2><div class=plots>")
+            body.extend(f"<div class='plot' id='{E(s['name'])}-{k}'>{svg}</div>" for k, svg in plots)
+            body.append("</div>")
+
+    body.append("<h2>Timeline</h2>")
+    shown = [{**e, "verdict": verdict_text(e, rec["verdict"])} if e["event"] == "verdict" else e for e in events]
+    body.append(_timeline([{**e, "source": "journal"} for e in shown] + step_events))
+    overall = (
+        "FAILED"
+        if "FAILED" in statuses.values()
+        else (
+            "DONE"
+            if statuses and all(v == "SUCCESS" for v in statuses.values())
+            else "RUNNING"
+            if "RUNNING" in statuses.values()
+            else "PENDING"
+        )
+    )
+    info = {
+        "name": name,
+        "title": decl.get("title", name),
+        "status": overall,
+        "verdict": headline(rec),
+        "verdict_class": rec["verdict"]["verdict"] if rec["verdict"] else "-",
+        "post_hoc": [x["verdict"] for x in rec["post_hoc_verdicts"]],
+        "compute": compute,
+    }
+    return _page(decl.get("title", name), "".join(body)), info
+
+
+def _prediction_section(rec: dict, events: list[dict], declared: list[dict]) -> list[str]:
+    """The prediction on record against the outcome: the verdict, every attempt, the post hoc ones."""
+    preds = [e for e in events if e["event"] == "prediction_registered"]
+    body = ["<h2>Prediction against outcome</h2>"]
     first = f"the first step started {_when(rec['first_step'])}" if rec["first_step"] else "no step has started yet"
     pre = rec["prediction"]
     if pre is not None:
@@ -407,9 +235,13 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
             f"<p>{len(declared)} declaration and {len(preds)} prediction versions are on record; "
             "every one is in the timeline below.</p>"
         )
+    return body
 
+
+def _steps_section(prefix: Path, decl: dict) -> tuple[str, list[dict], float, dict[str, str]]:
+    """(the steps' table, their runs' events, the training FLOPs of the finished runs, each step's status)."""
     step_events, compute, statuses = [], 0.0, {}
-    body.append("<h2>Steps</h2><table><tr><th>step</th><th>status</th><th>output</th></tr>")
+    body = ["<h2>Steps</h2><table><tr><th>step</th><th>status</th><th>output</th></tr>"]
     for s in decl.get("steps", []):
         status_path = prefix / f"{s['dir']}.status"
         status = json.loads(status_path.read_text())["status"] if status_path.exists() else "PENDING"
@@ -420,19 +252,15 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
         summary = prefix / s["dir"] / "summary.json"
         cfg_path = prefix / s["dir"] / "config.json"
         if summary.exists() and cfg_path.exists():
-            from moelab import accounting
-            from moelab.config import config_from_dict
-
             cfg = config_from_dict(json.loads(cfg_path.read_text())["config"])
             compute += accounting.run_train(cfg)["train_flops"]
     body.append("</table>")
+    return "".join(body), step_events, compute, statuses
 
-    for s in decl.get("steps", []):
-        health = prefix / s["dir"] / "health.json"
-        if health.exists():
-            body.append(_health_section(s["name"], json.loads(health.read_text()), events))
 
-    body.append("<h2>Configuration</h2>")
+def _config_section(prefix: Path, decl: dict, declared: list[dict]) -> list[str]:
+    """Each step's configuration, and its diff against the previous declaration's where it changed."""
+    body = ["<h2>Configuration</h2>"]
     previous = {p["name"]: p["dir"] for p in declared[-2]["steps"]} if len(declared) > 1 else {}
     for s in decl.get("steps", []):
         text = _config_of(prefix, s["dir"])
@@ -449,38 +277,7 @@ def experiment_page(prefix: Path, journal_path: Path) -> tuple[str, dict]:
                     )
                 )
                 body.append(f"<p>Diff against the previous version:</p><pre>{E(diff)}</pre>")
-
-    for s in decl.get("steps", []):
-        plots = run_plots(prefix / s["dir"])
-        if plots:
-            body.append(f"<h2>Plots: {E(s['name'])}</h2><div class=plots>")
-            body.extend(f"<div class='plot' id='{E(s['name'])}-{k}'>{svg}</div>" for k, svg in plots)
-            body.append("</div>")
-
-    body.append("<h2>Timeline</h2>")
-    shown = [{**e, "verdict": verdict_text(e, rec["verdict"])} if e["event"] == "verdict" else e for e in events]
-    body.append(_timeline([{**e, "source": "journal"} for e in shown] + step_events))
-    overall = (
-        "FAILED"
-        if "FAILED" in statuses.values()
-        else (
-            "DONE"
-            if statuses and all(v == "SUCCESS" for v in statuses.values())
-            else "RUNNING"
-            if "RUNNING" in statuses.values()
-            else "PENDING"
-        )
-    )
-    info = {
-        "name": name,
-        "title": decl.get("title", name),
-        "status": overall,
-        "verdict": headline(rec),
-        "verdict_class": rec["verdict"]["verdict"] if rec["verdict"] else "-",
-        "post_hoc": [x["verdict"] for x in rec["post_hoc_verdicts"]],
-        "compute": compute,
-    }
-    return _page(decl.get("title", name), "".join(body)), info
+    return body
 
 
 SKIP_DIRS = ("ckpt", "evals", "experiments", "tensorboard", "wandb")  # a run's or a lab's own folders
@@ -570,9 +367,6 @@ def run_info(prefix: Path, run_dir: Path) -> dict:
 
 def _run_records(prefix: Path, run_dir: Path) -> tuple[dict, dict, list]:
     """(its index row, its saved config.json, its events)."""
-    from moelab import accounting
-    from moelab.config import config_from_dict
-
     rel = _rel(prefix, run_dir)
     saved = json.loads((run_dir / "config.json").read_text())
     recs = read_jsonl(run_dir / "metrics.jsonl")

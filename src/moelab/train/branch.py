@@ -12,11 +12,13 @@ branch step must be the parent's, step for step, or it is refused: the shared pr
 The branch's directory starts as a copy of the parent's checkpoint at the step and the parent's
 records up to it (metrics, so that its curve is whole), and a ``branch`` event that names the
 parent, the step and the parent's config hash; training then resumes from that checkpoint. A fit
-that holds both parent and branch counts the prefix once (``branch_point``).
+that holds both parent and branch counts the prefix once (``branch_point``, in moelab.runs: a
+run folder's own record, read by the forecasts too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,8 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import Config, config_hash, load_config, resolve_dtype, to_dict
+from moelab.config import Config, config_hash, load_config, phase_seq_lens, resolve_dtype, to_dict
 from moelab.errors import RunRefused
+from moelab.runs import RunDir, branch_point, load_run_config
+from moelab.schedule import hyper, lr_factor, phase_boundaries
+from moelab.train import checkpoint
 
 # what a branch may change besides its horizon: nothing here alters a step before the branch point
 # (the schedule's fields are checked step by step below)
@@ -45,18 +50,13 @@ def _diff(a: Config, b: Config) -> list[str]:
 def _rates(cfg: Config, upto: int) -> np.ndarray:
     import jax.numpy as jnp
 
-    from moelab.train import optim
-
-    h = optim.hyper(cfg)
-    return h.peak_lr * np.asarray(optim.lr_factor(jnp.arange(upto), h), np.float64)
+    h = hyper(cfg)
+    return h.peak_lr * np.asarray(lr_factor(jnp.arange(upto), h), np.float64)
 
 
 def _unused_before(cfg: Config, at: int) -> set[str]:
     """Fields that change no step before ``at``: the RoPE scaling while every step so far ran at the
     first phase's length (so branches can try scalings from a context change on)."""
-    from moelab.config import phase_seq_lens
-    from moelab.schedule import phase_boundaries
-
     lens = phase_seq_lens(cfg)
     starts = phase_boundaries(cfg.data.phase_starts, cfg.train)
     return {"model.rope_scaling"} if all(n == lens[0] for n, b in zip(lens, starts, strict=True) if b < at) else set()
@@ -88,19 +88,7 @@ def branch_config(parent: Config, at: int, steps: int, overrides: list[str] = ()
             f"--set: the branch's learning rate before step {at} differs from the parent's (step {k}: {after[k]:.6g} "
             f"against {before[k]:.6g}); change only what comes after the branch step"
         )
-    import dataclasses
-
     return dataclasses.replace(cfg, name=name or f"{parent.name or 'run'}-branch{at}-{steps}")
-
-
-def branch_point(run_dir: str | Path) -> dict | None:
-    """The ``branch`` event of a run that was branched from another (parent, step), else None."""
-    from moelab.runs import read_jsonl
-
-    for e in read_jsonl(Path(run_dir) / "events.jsonl"):
-        if e.get("event") == "branch":
-            return e
-    return None
 
 
 OWN = ("ckpt", "metrics.jsonl", "config.json", "tokenizer.json")  # what a branch's start writes
@@ -110,9 +98,6 @@ def start_branch(parent_dir: str | Path, at: int, out: str | Path, cfg: Config) 
     """Lay out the branch's directory: the parent's checkpoint at ``at``, its metrics up to it, the
     branch's config, and last the ``branch`` event: a start that died before it is started again
     (its partial copies replaced); ``out`` may hold nothing else but a failed step's error.txt."""
-    from moelab.runs import RunDir, load_run_config
-    from moelab.train import checkpoint
-
     parent = RunDir(parent_dir)
     pcfg = load_run_config(parent.path)
     saved = checkpoint.steps(parent.ckpt)

@@ -18,9 +18,9 @@ TensorStore's drivers for arrays). It holds::
 What holds:
 
 - A checkpoint is complete or absent: its arrays and meta are written into one temporary folder
-  that is named complete at once; on a local disk by a rename made after every file and folder in
-  it is synced (and the parent synced after, so the rename is durable too); on an object store by
-  Orbax's commit file, written last (only it says complete there).
+  that is named complete at once; on a local disk by Orbax's rename, made after every file and
+  folder in it is synced (and the folder and its parent synced after, so the rename is durable
+  too); on an object store by Orbax's commit file, written last (only it says complete there).
 - There is no moment without a complete checkpoint: old ones are pruned only after the new one is
   complete, and a step saved again first sets its old checkpoint aside as ``.replaced``, which
   counts and restores until the new one is complete (a run opening the folder puts it back if the
@@ -118,19 +118,24 @@ def _abs(p):
 # ---------------------------------------------------------------------- durability on a local disk
 
 
-def _fsync_tree(path: str) -> None:
+def _fsync_tree(path) -> None:
     """Every file and folder under ``path`` (and ``path``) synced to disk."""
     for dirpath, _, files in os.walk(path):
         for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
+            _fsync(os.path.join(dirpath, f))
+        _fsync(dirpath)
 
 
-def _fsync_dir(path) -> None:
+def _fsync_top(path) -> None:
+    """The files directly in ``path``, and ``path``, synced to disk (not its sub-folders)."""
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            _fsync(entry.path)
+    _fsync(path)
+
+
+def _fsync(path) -> None:
+    """A file or a folder synced to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -141,21 +146,36 @@ def _fsync_dir(path) -> None:
 def _stage(name: str, step: int) -> None:
     """A point inside a save, for tests that stop a save there: start (nothing written), set_aside
     (an old checkpoint of the step renamed .replaced), written (arrays and meta in the temporary
-    folder), synced (synced, not yet renamed), committed (named complete; not yet pruned)."""
+    folder), synced (synced, not yet renamed), committed (named complete and synced; not yet pruned)."""
 
 
 def _temporary_path_class(local: bool, hook: Callable[[str, int], None]):
     """Orbax's temporary folder, named complete as described above; ``hook("in_save", step)`` runs
-    when the arrays and meta are written and the checkpoint is not yet complete (tests kill it there)."""
-    from orbax.checkpoint._src.metadata import checkpoint as ckpt_metadata
-    from orbax.checkpoint._src.path import atomicity
+    when the arrays and meta are written and the checkpoint is not yet complete (tests kill it there).
+
+    Public Orbax only: the classes are ``orbax.checkpoint.path.atomicity``'s (in Orbax's API
+    reference), given through ``CheckpointManagerOptions.temporary_path_class``, the way that module's
+    docstring configures them. Each wraps Orbax's own ``finalize`` (its commit: the commit time in
+    ``_CHECKPOINT_METADATA``, the commit file, the rename) and adds nothing inside it. Why this
+    option: its replacement, ``atomicity_options``, picks only between Orbax's two classes, and a
+    handler's ``finalize`` runs before the commit with no point after it; neither can sync the
+    parent folder after the rename and before pruning, nor stop a save at ``in_save`` (upstream
+    limit, orbax-checkpoint 0.12). Were the option dropped, ``Checkpoints()`` fails at once with a
+    TypeError (tests/test_checkpoint.py)."""
+    from orbax.checkpoint.path import atomicity
 
     def step_of(final) -> int | None:  # None: an item's folder inside a step's (state/, meta/)
         m = STEP_DIR.match(final.name)
         return int(m.group(1)) if m else None
 
     class DurableRename(atomicity.AtomicRenameTemporaryPath):
-        """Orbax's rename, with every file and folder synced before it and the parent folder after."""
+        """Orbax's rename, with every file and folder synced before it, and the folder and its parent
+        after. What Orbax's commit writes just before its rename (the commit time into
+        ``_CHECKPOINT_METADATA``; in later releases, 0.12.8 for one, ``commit_success.txt`` again)
+        is synced after it, before the save counts as complete or anything is pruned. A crash in
+        between can leave a renamed folder whose ``_CHECKPOINT_METADATA`` is short, which Orbax reads
+        as none: state/ and meta/, all that a restore reads, and the commit file were synced before
+        the rename."""
 
         async def finalize(self):
             tmp, final = self.get(), self.get_final()
@@ -164,20 +184,14 @@ def _temporary_path_class(local: bool, hook: Callable[[str, int], None]):
                 return await super().finalize()
             hook("in_save", step)
             _stage("written", step)
-            store = self._checkpoint_metadata_store  # Orbax's own bookkeeping first, as its finalize does
-            if store:
-                await asyncio.to_thread(store.wait_until_finished)
-                await asyncio.to_thread(
-                    store.update,
-                    file_path=ckpt_metadata.step_metadata_file_path(tmp),
-                    commit_timestamp_nsecs=time.time_ns(),
-                )
-                await asyncio.to_thread(store.wait_until_finished)
+            # the commit file in every Orbax release moelab allows (0.12.0's commit writes none), synced
+            # with the rest: its text is what Orbax's later releases write there themselves
             (tmp / COMMIT).write_text(f"Checkpoint commit was successful to {final}")
             await asyncio.to_thread(_fsync_tree, os.fspath(tmp))
             _stage("synced", step)
-            os.rename(tmp, final)
-            await asyncio.to_thread(_fsync_dir, os.fspath(final.parent))
+            await super().finalize()
+            await asyncio.to_thread(_fsync_top, os.fspath(final))
+            await asyncio.to_thread(_fsync, os.fspath(final.parent))
             _stage("committed", step)
 
     class CommitFile(atomicity.CommitFileTemporaryPath):
@@ -219,7 +233,7 @@ class Checkpoints:
         fault_hook: Callable[[str, int], None] | None = None,
     ):
         import orbax.checkpoint as ocp
-        from orbax.checkpoint._src.checkpoint_managers import preservation_policy as pp
+        from orbax.checkpoint import checkpoint_managers as pp
 
         self.root, self.local, self.background = as_path(root), is_local(root), background
         self.on_complete, self.fault_hook = on_complete, fault_hook
@@ -267,7 +281,7 @@ class Checkpoints:
                 else:
                     p.rename(final)
                     if self.local:
-                        _fsync_dir(self.root)
+                        _fsync(self.root)
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first (a save in flight is waited for)."""
@@ -288,7 +302,7 @@ class Checkpoints:
                     _rmtree(old)
                 final.rename(old)
                 if self.local:
-                    _fsync_dir(self.root)
+                    _fsync(self.root)
             _sync(f"ckpt-aside-{step}")
             self.manager.reload()
             _stage("set_aside", step)

@@ -63,15 +63,15 @@ def _no_cap(cfg: Config) -> Config:
 
 class Evaluator:
     """Held-out losses of a model. With ``mesh`` the windows are split over its devices like a
-    training batch and the model runs as it trains there (call it with that mesh active: the
-    expert-parallel transports, FSDP gathers), never gathering every expert onto every device."""
+    training batch and the model runs as it trains there (the expert-parallel transports, FSDP
+    gathers), never gathering every expert onto every device."""
 
     def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
         from moelab.data.mixture import build_mixture
         from moelab.train.step import make_eval_step
 
         self.cfg, self.mesh = cfg, mesh
-        self.fn = make_eval_step(cfg)
+        self.fn = make_eval_step(cfg, mesh)
         m = cfg.model
         # as trained (the training dispatch, with its drops) and dropless
         self.dispatches = {"_dropless": "dropless"} if dropless_only else {"": m.dispatch, "_dropless": "dropless"}

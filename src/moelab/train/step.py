@@ -19,7 +19,7 @@ Megatron computes it: its f is the micro-batch's.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moelab.config import Config
-from moelab.model import init_params, init_state, loss_fn, transformer
+from moelab.model import init_params, init_state, loss_fn
 from moelab.model import router as rt
 from moelab.model.transformer import ce_terms, forward, total_loss
 from moelab.parallel import mesh as pmesh
@@ -50,10 +50,10 @@ def _layer_summary(layers: dict) -> dict:
     return out
 
 
-def micro_batches(batch: jax.Array, n: int) -> jax.Array:
+def micro_batches(batch: jax.Array, n: int, shards: int = 1) -> jax.Array:
     """[B, s] -> [n, B / n, s]: micro-batch i holds the i-th slice of each device's rows (the batch
-    is split over ``pmesh.shards()`` devices in contiguous blocks), so no row changes device."""
-    d = pmesh.shards()
+    is split over ``shards`` devices in contiguous blocks), so no row changes device."""
+    d = shards
     rows, width = batch.shape
     return batch.reshape(d, n, rows // (d * n), width).swapaxes(0, 1).reshape(n, rows // n, width)
 
@@ -61,7 +61,7 @@ def micro_batches(batch: jax.Array, n: int) -> jax.Array:
 SUMMED = ("expert_load", "tokens_per_expert")  # per-layer metrics that add over micro-batches; the rest average
 
 
-def _whole_batch(per_micro: dict, bias: jax.Array, m) -> tuple[dict, jax.Array]:
+def _whole_batch(per_micro: dict, bias: jax.Array, m, runtime: pmesh.Runtime) -> tuple[dict, jax.Array]:
     """The layers' metrics of the whole batch and its new router bias, from the micro-steps' [n, L, ...]."""
     layers = {}
     for key, v in per_micro.items():
@@ -77,7 +77,7 @@ def _whole_batch(per_micro: dict, bias: jax.Array, m) -> tuple[dict, jax.Array]:
         stat = stat.swapaxes(0, 1).reshape(stat.shape[1], -1, stat.shape[-1])
     else:
         stat = jnp.sum(stat, axis=0)
-    new_bias = jax.lax.map(lambda a: rt.bias_from_stat(a[0], a[1], m), (stat, bias))
+    new_bias = jax.lax.map(lambda a: rt.bias_from_stat(a[0], a[1], m, runtime), (stat, bias))
     return layers, new_bias
 
 
@@ -90,74 +90,97 @@ def offload_state(state: dict, cfg: Config) -> dict:
     return dict(state, opt_state=host)
 
 
-def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyper, shardings=None):
-    """``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
+def make_train_step(
+    cfg: Config,
+    opt: optax.GradientTransformation,
+    h: optim.Hyper,
+    shardings=None,
+    *,
+    mesh=None,
+    fsdp: bool | None = None,
+    faults: bool = False,
+):
+    """The jitted train step ``(state, batch, data_step) -> (state, metrics)``.
+
+    ``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
     gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
-    rather than all-reducing whole copies) and the new state to the old state's."""
+    rather than all-reducing whole copies) and the new state to the old state's. ``mesh``: the mesh
+    the model runs on (the shardings' when not given); ``fsdp``: whether its weights are gathered over
+    ``data`` where used (``mesh.fsdp`` when not given).
+
+    ``faults``: the step of a run that injects faults (``monitor.faults.Injector.wrap_step`` gives it
+    its arguments): ``(state, batch, data_step, faults)`` with ``faults`` a dict of ``poison`` (the
+    loss made NaN), ``lr_scale``, ``logit_z_scale`` and ``freeze_bias``. A production step is
+    compiled without them."""
     m = cfg.model
     hold = (lambda tree, s: jax.lax.with_sharding_constraint(tree, s)) if shardings is not None else (lambda t, s: t)  # noqa: E731
 
     n_micro = cfg.train.batch_size // cfg.train.micro_batch if cfg.train.micro_batch else 1
     off_opt = cfg.train.offload in ("optimizer", "all")
     off_inputs = cfg.train.offload in ("layer_inputs", "all")
+    if mesh is None and shardings is not None:
+        mesh = jax.tree.leaves(shardings)[0].mesh
+    fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
+    runtime = pmesh.Runtime(mesh, bool(fsdp and mesh is not None), offload_inputs=off_inputs)
+    micro_runtime = dataclasses.replace(runtime, whole_batch=True)  # a micro-step: the whole batch's statistics
     host_opt = shardings and shardings["opt_state"]
     if shardings is not None:  # the step computes in device memory whatever memory the state is kept in
         shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
     grad_shardings = shardings and shardings["params"]
     moved = lambda tree, s, space: jax.device_put(tree, s if s is not None else space)  # noqa: E731
-    offloading = transformer.offloading_block_inputs if off_inputs else contextlib.nullcontext
 
     def accumulate(state: dict, batch: jax.Array, logit_z_scale):
         """The micro-steps: (loss, metrics, new model state, mean gradients) of the whole batch."""
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def micro(acc, mb):
-            with rt.whole_batch_statistics():
-                (_, (met, _)), g = grad_fn(
-                    state["params"], state["model_state"], mb[:, :-1], mb[:, 1:], m, logit_z_scale=logit_z_scale
-                )
+            (_, (met, _)), g = grad_fn(
+                state["params"], state["model_state"], mb[:, :-1], mb[:, 1:], m,
+                logit_z_scale=logit_z_scale, runtime=micro_runtime,
+            )  # fmt: skip
             acc = hold(jax.tree.map(jnp.add, acc, hold(g, grad_shardings)), grad_shardings)
-            mesh = pmesh.active()
-            if mesh is not None and m.bias_update == "quantile":  # the margins stay split by token, as the
+            if (
+                runtime.expert_mesh is not None and m.bias_update == "quantile"
+            ):  # the margins stay split by token, as the
                 # batch is (left to itself XLA replicates the stacked scan output on every device)
                 margins = jax.lax.with_sharding_constraint(
-                    met["layers"]["bias_stat"], NamedSharding(mesh, P(None, pmesh.BATCH, None))
+                    met["layers"]["bias_stat"], NamedSharding(runtime.mesh, P(None, pmesh.BATCH, None))
                 )
                 met = dict(met, layers=dict(met["layers"], bias_stat=margins))
             return acc, {k: met[k] for k in ("ce", "logit_z", "router_z", "layers")}
 
         zeros = hold(jax.tree.map(jnp.zeros_like, state["params"]), grad_shardings)
-        acc, per = jax.lax.scan(micro, zeros, micro_batches(batch, n_micro))
+        acc, per = jax.lax.scan(micro, zeros, micro_batches(batch, n_micro, runtime.shards))
         grads = jax.tree.map(lambda g: g / n_micro, acc)
-        layers, new_bias = _whole_batch(per["layers"], state["model_state"]["router_bias"], m)
+        layers, new_bias = _whole_batch(per["layers"], state["model_state"]["router_bias"], m, runtime)
         ce, logit_z, router_z = (jnp.mean(per[k]) for k in ("ce", "logit_z", "router_z"))
         aux = jnp.mean(layers["aux_loss"])
         loss = total_loss(ce, logit_z, aux, router_z, m, logit_z_scale)
         metrics = {"ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z, "layers": layers}
         return loss, metrics, {"router_bias": new_bias}, grads
 
-    def step(state: dict, batch: jax.Array, data_step: jax.Array, poison: jax.Array, faults=None):
-        """faults (fault injection): lr_scale, logit_z_scale, freeze_bias; None = none."""
-        f = faults or {"lr_scale": 1.0, "logit_z_scale": 1.0, "freeze_bias": False}
+    def step(state: dict, batch: jax.Array, data_step: jax.Array, faults=None):
+        f = faults or {"lr_scale": 1.0, "logit_z_scale": 1.0, "freeze_bias": False, "poison": False}
         if off_opt:  # kept in host memory between steps: moved in for the update
             state = dict(state, opt_state=moved(state["opt_state"], shardings and shardings["opt_state"],
                                                 jax.memory.Space.Device))  # fmt: skip
         opt_state, _ = optim.set_lr(state["opt_state"], data_step, h, f["lr_scale"])
         lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        with offloading():
-            if n_micro == 1:
-                (loss, (metrics, new_model_state)), grads = grad_fn(
-                    state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m,
-                    logit_z_scale=f["logit_z_scale"],
-                )  # fmt: skip
-            else:
-                loss, metrics, new_model_state, grads = accumulate(state, batch, f["logit_z_scale"])
-        new_model_state = jax.tree.map(
-            lambda new, old: jnp.where(f["freeze_bias"], old, new), new_model_state, state["model_state"]
-        )
+        if n_micro == 1:
+            (loss, (metrics, new_model_state)), grads = grad_fn(
+                state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m,
+                logit_z_scale=f["logit_z_scale"], runtime=runtime,
+            )  # fmt: skip
+        else:
+            loss, metrics, new_model_state, grads = accumulate(state, batch, f["logit_z_scale"])
+        if faults is not None:
+            new_model_state = jax.tree.map(
+                lambda new, old: jnp.where(f["freeze_bias"], old, new), new_model_state, state["model_state"]
+            )
         grads = hold(grads, grad_shardings)
-        loss = jnp.where(poison, jnp.nan, loss)
+        if faults is not None:
+            loss = jnp.where(f["poison"], jnp.nan, loss)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -187,16 +210,20 @@ def make_train_step(cfg: Config, opt: optax.GradientTransformation, h: optim.Hyp
         }
         return new_state, out
 
-    return jax.jit(step, donate_argnums=0)
+    if faults:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(lambda state, batch, data_step: step(state, batch, data_step), donate_argnums=0)
 
 
-def make_eval_step(cfg: Config):
-    """(params, model_state, inputs, targets, mask) -> summed nats and token count, per dispatch."""
+def make_eval_step(cfg: Config, mesh=None):
+    """(params, model_state, inputs, targets, mask) -> summed nats and token count, per dispatch; on
+    ``mesh`` as the model trains there (the expert-parallel transports, FSDP gathers)."""
     m = cfg.model
+    runtime = pmesh.Runtime(mesh, bool(cfg.mesh.fsdp and mesh is not None))
 
     def nll(params, model_state, inputs, targets, mask, dispatch):
-        hidden, _, _ = forward(params, model_state, inputs, m, dispatch)
-        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk)
+        hidden, _, _ = forward(params, model_state, inputs, m, dispatch, runtime=runtime)
+        lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk, runtime)
         return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
     return jax.jit(nll, static_argnames="dispatch")

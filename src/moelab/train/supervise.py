@@ -3,6 +3,12 @@
 A crash, a kill or an out-of-memory costs at most the work since the last checkpoint. Each
 restart is an event with its cause. A refusal (exit code 2) or a run the NaN guard stopped
 (exit code 3) is not retried: running it again would fail the same way.
+
+In a multi-process job each process has its own supervisor, and the child is that process's own
+command (its --coordinator and --process-id included); the supervisor itself never joins the job.
+A member that dies takes the job down: the others fail at their next collective (or when the
+coordinator, process 0, is gone) and their supervisors restart them too. The restarted processes meet
+again at the coordinator and resume from the newest checkpoint, which all of them share.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from moelab.runs import RunDir
 
@@ -29,9 +36,13 @@ def _cause(code: int, tail: list[str]) -> str:
     return f"exit code {code}" + (f": {last.strip()[:300]}" if last else "")
 
 
-def supervise(child_args: list[str], out: str, max_restarts: int) -> int:
-    """Run ``moelab train child_args`` until it finishes, restarting with --resume up to max_restarts times."""
-    run = RunDir(out)
+def supervise(child_args: list[str], out: str, max_restarts: int, records: str | Path | None = None) -> int:
+    """Run ``moelab train child_args`` until it finishes, restarting with --resume up to max_restarts times.
+
+    The child is the whole process: in a multi-process job it joins the job itself, with its own
+    --process-id (the supervisor joins nothing). The restarts are recorded in ``records`` (the run,
+    ``out``, by default; a job's process I > 0 keeps its own records in ``out/.process-I``)."""
+    run = RunDir(out if records is None else records)
     restarts = 0
     args = list(child_args)
     while True:

@@ -7,8 +7,11 @@ forecast is recomputed for the new horizon, and the change is an event with its 
 
 The change lives in the run's config as ``train.replans``: ``AT:OLD->NEW`` means that from step AT
 on the run's horizon is NEW steps instead of OLD; ``train.steps`` is the newest horizon. The
-schedule (moelab.train.optim.lr_factor) and the mixture (moelab.data.mixture) read it from there,
+schedule (moelab.schedule.lr_factor) and the mixture (moelab.data.mixture) read it from there,
 so a resumed run follows the new plan.
+
+It lives with training, not the ladder: it rewrites a run (its config, its events, a new version of
+its forecast) from its newest checkpoint on; the ladder's part is the forecast it asks for.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ import time
 from pathlib import Path
 
 from moelab.config import config_hash, load_config, to_dict
-from moelab.errors import ReplanError
-from moelab.schedule import parse_replans, phase_boundaries  # noqa: F401 - the replan's own terms
+from moelab.errors import ForecastError, ReplanError
+from moelab.ladder import DEFAULT_LAW
+from moelab.ladder.forecast import forecast
+from moelab.runs import RunDir, load_run_config
+from moelab.schedule import hyper, lr_factor, parse_replans, phase_boundaries  # noqa: F401 - the replan's own terms
+from moelab.train import checkpoint
 
 COVERED = 0.25  # a ladder's forecast is trusted for horizons within 25% of the planned one
 
@@ -41,16 +48,11 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
     Returns what changed: steps, learning rates at the change and at the new end, phase
     boundaries, the forecast, and a warning when the new horizon is more than 25% from the plan.
     """
-    from moelab.runs import RunDir
-    from moelab.train import checkpoint, optim
-
     run = RunDir(run_dir)
     if not run.config.is_file():
         raise ReplanError(f"{run.path}: no config.json; is this a training run directory?")
     if not reason.strip():
         raise ReplanError("--reason: say why the horizon changes; it goes into the run's record")
-    from moelab.runs import load_run_config
-
     cfg = load_run_config(run.path)
     per_step = cfg.train.batch_size * cfg.model.seq_len
     if not math.isfinite(tokens) or tokens <= 0:
@@ -73,9 +75,9 @@ def replan(run_dir: str | Path, tokens: float, reason: str, ladder: list[str] | 
         raise ReplanError(f"--tokens: {tokens:.6g} tokens is the run's current horizon of {old_steps} steps")
     spec = f"{at}:{old_steps}->{new_steps}"
     new_cfg = load_config(cfg, [f"train.steps={new_steps}", f"train.replans=[{', '.join((*cfg.train.replans, spec))}]"])
-    h_old, h_new = optim.hyper(cfg), optim.hyper(new_cfg)
-    lr_old = lambda s: h_old.peak_lr * float(optim.lr_factor(s, h_old))  # noqa: E731
-    lr_new = lambda s: h_new.peak_lr * float(optim.lr_factor(s, h_new))  # noqa: E731
+    h_old, h_new = hyper(cfg), hyper(new_cfg)
+    lr_old = lambda s: h_old.peak_lr * float(lr_factor(s, h_old))  # noqa: E731
+    lr_new = lambda s: h_new.peak_lr * float(lr_factor(s, h_new))  # noqa: E731
     first_plan = h_new.steps
     off = new_steps / first_plan - 1
     warning = None
@@ -115,10 +117,6 @@ def _reforecast(run_dir: Path, cfg, ladder: list[str] | None, n: int, reason: st
     form can only stretch its fractions over the new horizon. It is a new version of the run's
     forecast (forecast.vN.json; the old versions stay) and an event; ``registration`` is what the
     journals of experiments that include this run record (`moelab replan` writes it there)."""
-    from moelab.ladder import DEFAULT_LAW
-    from moelab.ladder.forecast import ForecastError, forecast
-    from moelab.runs import RunDir
-
     run = RunDir(run_dir)
     old = run.verified_forecast()  # a forecast changed after it was registered is refused here
     rungs = ladder or (old or {}).get("rungs")
