@@ -340,7 +340,7 @@ def test_logit_growth_flags_a_drifting_log_partition_and_not_a_slow_rise():
 def test_train_help_names_every_fault_kind():
     """`moelab train --help` lists each kind the injector accepts (the list is typed in the parser's help)."""
     from moelab.cli import build_parser
-    from moelab.monitor.faults import KINDS
+    from moelab.config.faults import KINDS
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     (inject,) = [a for a in train._actions if "--inject" in a.option_strings]

@@ -257,3 +257,44 @@ def test_every_extra_a_message_names_exists():
     }
     assert named, "the messages name extras"
     assert not [(f, x) for f, x in named if x not in extras], sorted((f, x) for f, x in named if x not in extras)
+
+
+def _third_party_imports(src: Path) -> dict[str, set[str]]:
+    """Top-level name -> the files of src/moelab that import it (at the top or inside a function),
+    outside the standard library and moelab itself; the exported model's remote code is left out
+    (it runs inside transformers, not moelab)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in (src / "moelab").rglob("*.py"):
+        if "remote_code" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in ("moelab", "__future__"):
+                    found.setdefault(top, set()).add(str(path.relative_to(src)))
+    return found
+
+
+def test_every_package_moelab_imports_is_declared():
+    """Each third-party module moelab imports comes from a distribution pyproject.toml names, in its
+    dependencies or an extra (etils and psutil arrived only through Orbax before issue 40)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"]) + [r for v in project["optional-dependencies"].values() for r in v]
+    declared = {canonicalize_name(Requirement(r).name) for r in reqs}
+    providers = md.packages_distributions()
+    found = _third_party_imports(ROOT / "src")
+    assert {"jax", "orbax", "etils", "psutil"} <= set(found)  # the scan sees what moelab imports
+    missing = {
+        name: sorted(where)
+        for name, where in found.items()
+        if not {canonicalize_name(d) for d in providers.get(name, [name])} & declared
+    }
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from moelab.config import Config, ModelConfig
+from moelab.config import Config, ModelConfig, phase_config, phase_seq_lens
+from moelab.schedule import phase_boundaries
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,6 @@ def run_train(cfg: Config) -> dict:
     """``count(cfg).train(run_tokens(cfg))``, with a long-context phase (data.phase_seq_lens) counted
     phase by phase: each phase's tokens at its own sequence length's FLOPs per token (attention's span
     grows with it); ``phases`` lists them."""
-    from moelab.config import phase_config, phase_seq_lens
-    from moelab.schedule import phase_boundaries
 
     lens = phase_seq_lens(cfg)
     out = count(cfg).train(run_tokens(cfg))

@@ -14,6 +14,14 @@ import time
 
 import numpy as np
 
+from moelab import accounting, devices
+from moelab._alloc import hugepages_on
+from moelab.accounting import human
+from moelab.cache import matmul_peak
+from moelab.config import load_config
+from moelab.train import optim
+from moelab.train.step import init_train_state, make_train_step
+
 SHAPE_FLAGS = {
     # flag: (config field, type, default)
     "d_model": ("model.d_model", int, 256),
@@ -41,7 +49,6 @@ DEFAULT_PRESET = "tiny-softmax"
 def shape_config(preset: str | None = None, **shape):
     """A model to time: the tiny-softmax recipe at SHAPE_FLAGS' defaults (reference shape A), changed
     by the given flags; or another preset as it is, changed only by the flags given."""
-    from moelab.config import load_config
 
     preset = preset or DEFAULT_PRESET
     given = {k: v for k, v in shape.items() if v is not None}
@@ -89,13 +96,8 @@ def peak_rss_bytes() -> int:
 
 def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> dict:
     """Time ``steps`` train steps after ``warmup``; the figures of the issue, as one dict."""
+    # long (85 lines): one measurement in order (build, warm up, time, read memory and MFU): split, its steps would pass a dozen values between them
     import jax
-
-    from moelab import accounting
-    from moelab._alloc import hugepages_on
-    from moelab.cache import matmul_peak
-    from moelab.train import optim
-    from moelab.train.step import init_train_state, make_train_step
 
     m = cfg.model
     b, s = cfg.train.batch_size, m.seq_len
@@ -129,7 +131,6 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     times = np.array(times)
     steps_peak = peak_rss_since_reset() if separate else peak_rss_bytes()
     med = float(np.median(times))
-    from moelab import devices
 
     kind = jax.devices()[0].device_kind
     published = None if jax.default_backend() == "cpu" else devices.peak_flops(kind, cfg.model.dtype)
@@ -192,7 +193,6 @@ def _shape_of(cfg) -> dict:
 
 
 def print_result(r: dict) -> None:
-    from moelab.accounting import human
 
     sh = r["shape"]
     print(

@@ -61,7 +61,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def render_config() -> str:
     top = {f.name: f for f in fields(Config)}
     out = [
-        GENERATED.format(source="the config classes in src/moelab/config.py and src/moelab/presets.py"),
+        GENERATED.format(source="the config classes in src/moelab/config/ and src/moelab/presets.py"),
         "",
         "# Configuration reference",
         "",

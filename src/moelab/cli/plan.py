@@ -43,6 +43,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:
+    # long (112 lines): a command's flags checked one after another, then the plan, the compiler check and the table, each a few lines
     data, expert = parse_mesh(args.mesh)
     if args.device is not None and args.device_memory is not None:
         raise UsageError("--device-memory: give either --device or --device-memory, not both")

@@ -333,6 +333,7 @@ def _harness(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    # long (98 lines): the train command's flags, one statement each
     p = sub.add_parser("train", help="train a model; writes config, metrics, events and checkpoints to --out")
     add_config_args(p, optional="; with --resume it may be left out: the run's own config (as re-planned)")
     p.add_argument("--out", required=True, help="the run directory")

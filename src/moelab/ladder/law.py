@@ -295,8 +295,9 @@ def fit_law(
     ``e_fixed``: E held at this value (Marin fixes it; the data of a ladder may not tell it).
     The fit names every parameter it left on a bound of its range (``at_bound``).
 
-    One function past 80 lines: the residuals, their Jacobian and the packing of parameters are
-    closures over the fit's arrays, bounds and held E; apart, each would take a dozen of them."""
+    The residuals, their Jacobian and the packing of parameters are closures over the fit's arrays,
+    bounds and held E."""
+    # long (118 lines): those closures share the fit's arrays; apart, each would take a dozen of them
     runs = check(runs, law)
     spec = SPECS[law]
     starts_given = [start] if isinstance(start, LawFit) else list(start or [])

@@ -29,15 +29,37 @@ micro-batch below that is a smaller global batch.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from moelab import devices
 from moelab.cache import remember, remembered
-from moelab.config import Config, load_config, phase_config, phase_seq_lens, to_dict
-from moelab.errors import UsageError
+from moelab.config import Config, load_config, phase_config, phase_seq_lens, resolve_dtype, to_dict
+from moelab.errors import RunRefused, UsageError
+from moelab.model.transformer import (
+    CUDNN_DTYPES,
+    FLASH_MIN_SEQ,
+    FP32_PARAMS,
+    attention_impl,
+    param_shapes,
+    scan_blocks,
+)
 from moelab.parallel import mesh as pmesh
+from moelab.parallel.ep import round_rows, slots_per_expert
+from moelab.plan.residuals import (  # noqa: F401 - importable from here
+    global_dispatch,
+    head_residuals,
+    itemsize,
+    layer_inputs,
+    layer_residuals,
+    moe_residuals,
+    on_host,
+    residual_bytes,
+    residuals,
+    traced_model,
+)
 from moelab.progress import phase
+from moelab.train import optim
+from moelab.train.step import init_train_state
 
 MARGIN = 0.10  # XLA's workspace and fragmentation, reserved on top of what the plan counts
 FIXED_ROWS = ("parameters", "optimizer", "gradients", "gradient_accumulator", "router_statistics",
@@ -47,18 +69,9 @@ GB = 1e9
 ROWS = FIXED_ROWS + ("activations", "all_to_all", "logits_and_loss", "inputs")  # device rows
 
 
-def _itemsize(dtype) -> int:
-    import numpy as np
-
-    return np.dtype(dtype).itemsize
-
-
 def abstract_state(cfg: Config):
     """(optimiser, the train state's abstract shapes): nothing is allocated."""
     import jax
-
-    from moelab.train import optim
-    from moelab.train.step import init_train_state
 
     opt = optim.make_optimizer(cfg, optim.hyper(cfg))
     return opt, jax.eval_shape(lambda: init_train_state(cfg, opt))
@@ -73,129 +86,13 @@ def tree_bytes(tree, sizes: dict[str, int], fsdp: bool) -> int:
         if not hasattr(leaf, "shape"):
             continue
         axes = pmesh.axes_for(pmesh._leaf_name(path), tuple(leaf.shape), sizes, fsdp)
-        total += math.prod(leaf.shape) * _itemsize(leaf.dtype) // pmesh.shards_of(axes, sizes)
+        total += math.prod(leaf.shape) * itemsize(leaf.dtype) // pmesh.shards_of(axes, sizes)
     return total
-
-
-def residuals(f, *args) -> list:
-    """The abstract values ``jax.vjp(f, *args)`` keeps for the backward pass, its own arguments
-    excluded, each once (with its memory space: ``f32<host>[...]`` is kept in host memory); traced
-    on abstract shapes, nothing runs."""
-    import jax
-
-    leaves, tree = jax.tree_util.tree_flatten(args)
-
-    def flat(*xs):
-        return f(*jax.tree_util.tree_unflatten(tree, xs))
-
-    closed, shapes = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True)(*leaves)
-    n_res = len(jax.tree_util.tree_leaves(shapes[1]))
-    jaxpr = closed.jaxpr
-    args_in = {id(v) for v in jaxpr.invars}
-    seen, out = set(), []
-    for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :]:
-        if not hasattr(v, "aval") or id(v) in args_in or id(v) in seen or not hasattr(v.aval, "shape"):
-            continue
-        seen.add(id(v))
-        out.append(v.aval)
-    return out
-
-
-def on_host(aval) -> bool:
-    import jax
-
-    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
-
-
-def residual_bytes(f, *args) -> int:
-    """Bytes of what the backward pass of ``f`` keeps in device memory (offloaded residuals left out)."""
-    return sum(math.prod(a.shape) * _itemsize(a.dtype) for a in residuals(f, *args) if not on_host(a))
-
-
-def _traced_model(cfg: Config, expert: int):
-    """The model config the activations are traced with: one device's dispatch with as many expert
-    rows as the expert-parallel transport computes on. Dropless under EP exchanges in rounds and
-    keeps only its input for the backward; one device's dropless, which keeps its t*k rows, is
-    traced in its place (an upper bound)."""
-    m = cfg.model
-    if expert > 1 and m.dispatch != "dropless":
-        m = dataclasses.replace(m, dispatch="capacity", capacity_group=0)
-    return m
-
-
-def _layer_inputs(m, b: int):
-    import jax
-    import jax.numpy as jnp
-
-    from moelab.model.transformer import FP32_PARAMS, param_shapes
-
-    dt = jnp.dtype(m.dtype)
-    shapes = param_shapes(m)["layers"]
-    p = {k: jax.ShapeDtypeStruct(v[1:], jnp.float32 if k in FP32_PARAMS else dt) for k, v in shapes.items()}
-    x = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
-    return x, p, jax.ShapeDtypeStruct((m.n_routed,), jnp.float32)
-
-
-def _layer_residuals(cfg: Config, expert: int, b: int, layer: int) -> int:
-    """What the backward pass keeps of layer ``layer`` at ``b`` sequences (one device's dispatch)."""
-    from moelab.model.transformer import _layer
-
-    m = _traced_model(cfg, expert)
-
-    def f(x, p, bias):
-        y, metrics, _ = _layer(x, p, bias, i=layer, m=m, dispatch=m.dispatch, capture=False)
-        return y, metrics["aux_loss"], metrics["router_z"]
-
-    return residual_bytes(f, *_layer_inputs(m, b))
-
-
-def _moe_residuals(cfg: Config, b: int) -> int:
-    """What the backward pass keeps of one MoE block at ``b`` sequences."""
-    from moelab.model.moe import moe_block
-
-    m = cfg.model
-
-    def f(x, p, bias):
-        y, metrics, _ = moe_block(p, x, bias, m, m.dispatch)
-        return y, metrics["aux_loss"], metrics["router_z"]
-
-    return residual_bytes(f, *_layer_inputs(m, b))
-
-
-def global_dispatch(cfg: Config, n_dev: int, expert: int, b: int) -> bool:
-    """Whether each device runs the one-device dispatch over the whole batch: data parallel without
-    expert parallelism, with dropless dispatch or a capacity group larger than a device's tokens
-    (``capacity_group: 0`` is a device's tokens). XLA then partitions its sorts poorly and every
-    device keeps the dispatch's buffers for all the mesh's tokens (measured against the compiler)."""
-    m = cfg.model
-    if expert > 1 or n_dev == 1 or m.n_routed == 0:
-        return False
-    return m.dispatch == "dropless" or m.capacity_group > b * m.seq_len
-
-
-def _head_residuals(cfg: Config, b: int) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from moelab.model.transformer import ce_terms
-
-    m = cfg.model
-    dt = jnp.dtype(m.dtype)
-    hidden = jax.ShapeDtypeStruct((b, m.seq_len, m.d_model), dt)
-    head = jax.ShapeDtypeStruct((m.d_model, m.vocab_size), dt)
-    targets = jnp.zeros((b, m.seq_len), jnp.int32)
-
-    def f(hidden, head):
-        lse, tgt = ce_terms({"head": head}, hidden, targets, m.ce_chunk)
-        return jnp.sum(lse - tgt)
-
-    return residual_bytes(f, hidden, head)
 
 
 def remat_blocks(m) -> tuple[int, int, int]:
     """How ``model.remat: layer`` runs (model/transformer.py): (layers per scanned block, scanned
     layers, layers rematerialised one by one)."""
-    from moelab.model.transformer import scan_blocks
 
     period, n_full = scan_blocks(m)
     return period, n_full, m.n_layers - n_full
@@ -213,8 +110,6 @@ def _layer_weight_bytes(cfg: Config, sizes: dict[str, int]) -> tuple[int, int]:
     """(one layer's weights whole over ``data`` in the compute dtype, as fp32) on one device."""
     import jax.numpy as jnp
 
-    from moelab.model.transformer import FP32_PARAMS, param_shapes
-
     m = cfg.model
     compute = fp32 = 0
     for name, shape in param_shapes(m)["layers"].items():  # placed for compute: experts over `expert` only
@@ -228,15 +123,13 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
     """The rows that grow with the micro-batch ``b`` (sequences per device)."""
     import jax.numpy as jnp
 
-    from moelab.parallel.ep import round_rows, slots_per_expert
-
     m = cfg.model
     dt = jnp.dtype(m.dtype).itemsize
     tokens = b * m.seq_len
-    res = {kind: _layer_residuals(cfg, sizes["expert"], b, layers[0]) for kind, layers in _kinds(m).items()}
+    res = {kind: layer_residuals(cfg, sizes["expert"], b, layers[0]) for kind, layers in _kinds(m).items()}
     n_dev = sizes["data"] * sizes["expert"]
     if global_dispatch(cfg, n_dev, sizes["expert"], b):  # the MoE block's buffers for the whole batch
-        extra = _moe_residuals(cfg, b * n_dev) - _moe_residuals(cfg, b)
+        extra = moe_residuals(cfg, b * n_dev) - moe_residuals(cfg, b)
         res = {kind: r + extra for kind, r in res.items()}
     per_layer = [res[(m.is_global(i), m.layer_kv_heads(i))] for i in range(m.n_layers)]
     saved = 0
@@ -264,7 +157,7 @@ def _per_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, b: int) -> 
             rows = m.n_routed * slots_per_expert(m.capacity_factor, tokens, m.top_k, m.n_routed)
         a2a = 4 * rows * m.expert_in_dim * dt  # dispatch send + receive, return send + receive
     chunk = m.ce_chunk if 0 < m.ce_chunk < tokens else tokens
-    logits = _head_residuals(cfg, b) + (2 if chunk < tokens else 1) * chunk * m.vocab_size * 4
+    logits = head_residuals(cfg, b) + (2 if chunk < tokens else 1) * chunk * m.vocab_size * 4
     return {
         "activations": activations,
         "all_to_all": a2a,
@@ -280,8 +173,6 @@ def for_target(cfg: Config, dev) -> tuple[Config, str]:
     kernel that ``attention_impl: auto`` picks in bf16 traced as moelab's flash path, its stand-in here
     (cuDNN cannot be traced on a CPU): both keep q, k, v, the output and the softmax statistics for
     the backward pass, no [s, s] probabilities."""
-    from moelab.config import resolve_dtype
-    from moelab.model.transformer import CUDNN_DTYPES, FLASH_MIN_SEQ, attention_impl
 
     backend = None if dev is None else ("tpu" if dev.name.startswith("TPU") else "gpu")
     cfg = resolve_dtype(cfg, backend)
@@ -367,6 +258,7 @@ def plan(
     (``train.offload``) counted. A run with a long-context phase (data.phase_seq_lens) is planned
     phase by phase (each its length, its sequences; ``micro_batch`` counts sequences of
     model.seq_len): the plan of the phase that needs the most device memory, and ``phases``."""
+    # long (123 lines): the plan's terms, one after another, each named where it is added; split, they would share two dozen values
     lens = phase_seq_lens(cfg)
     if len(set(lens)) > 1:
         kw = dict(device=device, device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb, fsdp=fsdp,
@@ -569,8 +461,6 @@ def fit_check(cfg: Config) -> None:
 
 def _fit_check(cfg: Config) -> None:
     import jax
-
-    from moelab.errors import RunRefused
 
     data, expert = cfg.mesh.data, cfg.mesh.expert
     n_dev = data * expert

@@ -26,6 +26,9 @@ from moelab.plan.memory import (
     plan,
     remat_blocks,
 )
+from moelab.progress import say
+from moelab.train import optim
+from moelab.train.step import make_train_step
 
 HOST_SPACE = "S(5)"  # XLA's memory space of host memory in a layout (pinned_host)
 
@@ -35,9 +38,6 @@ def compiled_bytes(cfg: Config, data: int, expert: int, micro_batch: int, fsdp: 
     ``data`` x ``expert`` mesh of this process's devices on abstract inputs (nothing is allocated)."""
     import jax
     import numpy as np
-
-    from moelab.train import optim
-    from moelab.train.step import make_train_step
 
     n_dev = data * expert
     if jax.device_count() < n_dev:
@@ -93,7 +93,7 @@ def compiler_check(
 
     Both sides are taken in fp32: XLA:CPU computes bf16 through fp32 buffers, so a bf16 step
     compiled here would not show the memory a GPU or TPU gives it."""
-    from moelab.progress import say
+    # long (95 lines): the check's steps in order (compile two depths, extend, compare, read the policy), sharing their figures
 
     n_dev = data * expert
     fsdp = cfg.mesh.fsdp if fsdp is None else fsdp

@@ -32,6 +32,8 @@ import time
 import jax
 
 from moelab.errors import RunError
+from moelab.ladder import forecast as F
+from moelab.ladder.law import LAWS
 from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.progress import Progress, phase, say
 from moelab.runs import RunDir, append_jsonl, read_jsonl
@@ -246,11 +248,9 @@ class ForecastRefits(Callback):
     event (and goes to ``callback``); forecast.json, which the health checks and verdict use, stays."""
 
     def __init__(self, run: RunDir, forecast: dict | None, cfg, callback, progress: bool):
-        from moelab.ladder import forecast as F  # scipy's second of a short run's start, only when held to one
-
-        self.F, self.run, self.forecast, self.callback, self.progress = F, run, forecast, callback, progress
+        self.run, self.forecast, self.callback, self.progress = run, forecast, callback, progress
         self.every = cfg.train.forecast_update_every * cfg.train.steps
-        self.on = bool(forecast and self.every > 0 and forecast.get("rungs") and forecast.get("law") in F.L.LAWS)
+        self.on = bool(forecast and self.every > 0 and forecast.get("rungs") and forecast.get("law") in LAWS)
         self.path = run.path / "forecast_updates.jsonl"
         self.done = {u["at_step"] for u in read_jsonl(self.path)} if self.on else set()
         self.rungs = None
@@ -260,7 +260,6 @@ class ForecastRefits(Callback):
             return
         if self.done and step < max(self.done) + self.every - 0.5:
             return
-        F = self.F
         try:
             agg = self.forecast.get("metric", "macro")  # what the registered forecast is of
             if self.rungs is None:

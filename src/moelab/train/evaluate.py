@@ -13,8 +13,14 @@ import math
 
 import numpy as np
 
-from moelab.config import Config
-from moelab.data.store import TokenStore
+from moelab.config import Config, phase_config, phase_seq_lens
+from moelab.data.mixture import build_mixture
+from moelab.data.store import TokenStore, build_store
+from moelab.errors import RunRefused
+from moelab.parallel.mesh import put_batch
+from moelab.runs import RunDir, load_run_config
+from moelab.train import checkpoint, optim
+from moelab.train.step import init_train_state, make_eval_step
 
 
 def eval_windows(
@@ -67,8 +73,6 @@ class Evaluator:
     gathers), never gathering every expert onto every device."""
 
     def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
-        from moelab.data.mixture import build_mixture
-        from moelab.train.step import make_eval_step
 
         self.cfg, self.mesh = cfg, mesh
         self.fn = make_eval_step(cfg, mesh)
@@ -106,8 +110,6 @@ class Evaluator:
                 for r, mk in zip(rows, mask, strict=True):
                     inputs, targets = r[:, :-1], r[:, 1:]
                     if self.mesh is not None:
-                        from moelab.parallel.mesh import put_batch
-
                         inputs, targets, mk = (
                             put_batch(np.ascontiguousarray(a), self.mesh) for a in (inputs, targets, mk)
                         )
@@ -136,11 +138,6 @@ def restored(run_dir, step: int | None = None, progress: bool = True, final: boo
     """(run, config, token store, state, step) of a run's newest (or a given) checkpoint. With
     ``final``, the config is the last phase's (its context and RoPE; moelab.config.phase_config): the
     model as the run ends, evaluated as it trains there."""
-    from moelab.data.store import build_store
-    from moelab.errors import RunRefused
-    from moelab.runs import RunDir, load_run_config
-    from moelab.train import checkpoint, optim
-    from moelab.train.step import init_train_state
 
     run = RunDir(run_dir)
     cfg = load_run_config(run.path)
@@ -154,8 +151,6 @@ def restored(run_dir, step: int | None = None, progress: bool = True, final: boo
     opt = optim.make_optimizer(cfg, optim.hyper(cfg))
     state, _ = checkpoint.restore(run.ckpt, step, init_train_state(cfg, opt))
     if final:
-        from moelab.config import phase_config, phase_seq_lens
-
         cfg = phase_config(cfg, len(phase_seq_lens(cfg)) - 1)
     return run, cfg, store, state, step
 
@@ -166,8 +161,6 @@ def evaluate_run(run_dir, step: int | None = None, progress: bool = True, data: 
     split, tokenized with the run's own tokenizer; saved to evals/step_N-data-KEY.json."""
     import dataclasses
     import json
-
-    from moelab.data.store import build_store
 
     run, cfg, store, state, step = restored(run_dir, step, progress)
     name = f"step_{step:08d}.json"
@@ -194,7 +187,6 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
     Every run is evaluated on the same windows, so much of that is shared: with ``against`` (another
     run on the same data, its newest checkpoint) the spread of the ratio of the two losses across the
     sets is the part that does not cancel between runs (``paired_relative_sd``)."""
-    from moelab.errors import RunRefused
 
     run, cfg, store, state, step = restored(run_dir, step, progress)
     per = disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens)

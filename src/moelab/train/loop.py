@@ -16,13 +16,14 @@ import numpy as np
 
 from moelab.cache import enable_compile_cache
 from moelab.config import Config, config_hash, phase_seq_lens, resolve_dtype, to_dict
+from moelab.config.faults import parse
 from moelab.data.mixture import build_mixture
 from moelab.data.store import build_store, resolve_all
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.eval.builtin import BUILTIN, builtin_task
 from moelab.eval.tasks import load_tasks
 from moelab.model.transformer import backend_problems
-from moelab.monitor.faults import Injector, parse
+from moelab.monitor.faults import Injector
 from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
 from moelab.paths import as_path
@@ -194,7 +195,10 @@ def prepare(cfg: Config, run: RunDir, mesh, progress: bool, resume: bool, task_s
 
 def _prepare_data(cfg: Config, run: RunDir, progress: bool):
     """The token store (built once, cached) and the mixture; the run's config.json."""
-    enable_compile_cache()
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        # XLA:CPU's cached programs hang a multi-process job at its first step on a relaunch or resume
+        # (measured: the same resume without the cache finishes); such a job compiles at every launch
+        enable_compile_cache()
     _check_fault_domains(cfg)
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     mixture = build_mixture(cfg, store)

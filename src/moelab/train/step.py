@@ -112,6 +112,7 @@ def make_train_step(
     its arguments): ``(state, batch, data_step, faults)`` with ``faults`` a dict of ``poison`` (the
     loss made NaN), ``lr_scale``, ``logit_z_scale`` and ``freeze_bias``. A production step is
     compiled without them."""
+    # long (124 lines): the jitted step and its accumulation are closures over the config's constants, shardings and runtime, defined where they are traced
     m = cfg.model
     hold = (lambda tree, s: jax.lax.with_sharding_constraint(tree, s)) if shardings is not None else (lambda t, s: t)  # noqa: E731
 
