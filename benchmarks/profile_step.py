@@ -59,7 +59,7 @@ def profile(cfg, steps: int = 3, top: int = 15) -> dict:
     step = make_train_step(cfg, opt, h)
     rng = np.random.default_rng(0)
     batch = rng.integers(0, m.vocab_size, (cfg.train.batch_size, m.seq_len + 1), dtype=np.int32)
-    args = np.int32(0)
+    args = (np.int32(0),)
     names = op_names(step.lower(state, batch, *args).compile().as_text())
     for _ in range(2):
         state, metrics = step(state, batch, *args)

@@ -186,3 +186,14 @@ def sizes(src: Path = SRC) -> tuple[list[tuple[str, int]], list[tuple[str, str, 
 def test_modules_under_600_lines_and_long_functions_say_why():
     big, long = sizes()
     assert big == [] and long == []
+
+
+def test_the_command_lines_parser_loads_no_jax():
+    """The one place moelab imports inside functions (LOCAL_IMPORTS_ALLOWED) keeps `moelab --help` and
+    a refusal free of JAX, and `--devices` possible (it must be set before JAX loads)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from moelab.cli import build_parser; build_parser(); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -19,31 +19,9 @@ from moelab._alloc import hugepages_on
 from moelab.accounting import human
 from moelab.cache import matmul_peak
 from moelab.config import load_config
+from moelab.presets import DEFAULT_PRESET, SHAPE_FLAGS  # noqa: F401 - importable from here
 from moelab.train import optim
 from moelab.train.step import init_train_state, make_train_step
-
-SHAPE_FLAGS = {
-    # flag: (config field, type, default)
-    "d_model": ("model.d_model", int, 256),
-    "layers": ("model.n_layers", int, 4),
-    "heads": ("model.n_heads", int, 8),
-    "kv_heads": ("model.n_kv_heads", int, 0),  # 0 = heads
-    "experts": ("model.n_routed", int, 16),
-    "top_k": ("model.top_k", int, 4),
-    "expert_dim": ("model.expert_dim", int, 128),
-    "shared": ("model.n_shared", int, 1),
-    "shared_dim": ("model.shared_dim", int, 256),
-    "latent_dim": ("model.latent_dim", int, 0),
-    "seq": ("model.seq_len", int, 256),
-    "batch": ("train.batch_size", int, 8),
-    "vocab": ("model.vocab_size", int, 4096),
-    "dispatch": ("model.dispatch", str, "dropless"),
-    "capacity_factor": ("model.capacity_factor", float, 1.25),
-    "dtype": ("model.compute_dtype", str, "float32"),
-    "remat": ("model.remat", str, "none"),
-    "ce_chunk": ("model.ce_chunk", int, 0),
-}
-DEFAULT_PRESET = "tiny-softmax"
 
 
 def shape_config(preset: str | None = None, **shape):
@@ -109,7 +87,7 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     batches = [rng.integers(0, m.vocab_size, (b, s + 1), dtype=np.int32) for _ in range(4)]
     rss_base = current_rss_bytes()  # JAX and the state, before compiling
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    args = np.int32(0)
+    args = (np.int32(0),)
 
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batches[0], *args).compile()
@@ -120,12 +98,12 @@ def bench_train_step(cfg, steps: int = 10, warmup: int = 2, seed: int = 0) -> di
     separate = reset_peak_rss()
     state, metrics = compiled(state, batches[0], *args)
     for i in range(warmup):
-        state, metrics = compiled(state, batches[(i + 1) % 4], np.int32(i + 1), args[1])
+        state, metrics = compiled(state, batches[(i + 1) % 4], np.int32(i + 1))
     jax.block_until_ready(metrics["loss"])
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batches[i % 4], np.int32(warmup + 1 + i), args[1])
+        state, metrics = compiled(state, batches[i % 4], np.int32(warmup + 1 + i))
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
     times = np.array(times)

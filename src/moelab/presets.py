@@ -143,3 +143,29 @@ def preset_dict(name: str) -> dict:
     data = PRESETS[name]()
     data["name"] = name
     return data
+
+
+# `moelab bench train-step`'s shape flags (moelab.bench): flag -> (config field, type, default), over
+# DEFAULT_PRESET's recipe (reference shape A); plain data, so the command line's parser loads nothing heavy
+SHAPE_FLAGS = {
+    # flag: (config field, type, default)
+    "d_model": ("model.d_model", int, 256),
+    "layers": ("model.n_layers", int, 4),
+    "heads": ("model.n_heads", int, 8),
+    "kv_heads": ("model.n_kv_heads", int, 0),  # 0 = heads
+    "experts": ("model.n_routed", int, 16),
+    "top_k": ("model.top_k", int, 4),
+    "expert_dim": ("model.expert_dim", int, 128),
+    "shared": ("model.n_shared", int, 1),
+    "shared_dim": ("model.shared_dim", int, 256),
+    "latent_dim": ("model.latent_dim", int, 0),
+    "seq": ("model.seq_len", int, 256),
+    "batch": ("train.batch_size", int, 8),
+    "vocab": ("model.vocab_size", int, 4096),
+    "dispatch": ("model.dispatch", str, "dropless"),
+    "capacity_factor": ("model.capacity_factor", float, 1.25),
+    "dtype": ("model.compute_dtype", str, "float32"),
+    "remat": ("model.remat", str, "none"),
+    "ce_chunk": ("model.ce_chunk", int, 0),
+}
+DEFAULT_PRESET = "tiny-softmax"

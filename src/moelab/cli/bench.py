@@ -31,7 +31,7 @@ def register(sub) -> None:
     bench = sub.add_parser("bench", help="measure: the train step's throughput, compile time, memory, MFU")
     bench = bench.add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("train-step", help="time the train step of a model shape (tiny-softmax recipe)")
-    from moelab.bench import DEFAULT_PRESET, SHAPE_FLAGS
+    from moelab.presets import DEFAULT_PRESET, SHAPE_FLAGS
 
     p.add_argument(
         "--preset",

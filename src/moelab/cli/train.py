@@ -161,8 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.devices is not None:
-        from moelab.parallel.mesh import MeshError, request_devices
-        from moelab.plan.memory import MAX_SIMULATED_DEVICES
+        from moelab.parallel.mesh import MAX_SIMULATED_DEVICES, MeshError, request_devices
 
         if args.devices < 1:
             raise UsageError(f"--devices: must be >= 1, got {args.devices}")

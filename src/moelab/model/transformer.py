@@ -121,7 +121,7 @@ def attention_impl(m: ModelConfig, seq: int) -> str:
     return "flash" if seq >= FLASH_MIN_SEQ else "blocked"
 
 
-def _layer(
+def transformer_layer(
     x: jax.Array,
     p: dict,
     bias: jax.Array,
@@ -130,7 +130,7 @@ def _layer(
     m: ModelConfig,
     dispatch: str,
     capture: bool,
-    runtime: pmesh.Runtime,
+    runtime: pmesh.Runtime = pmesh.ONE,
 ):
     """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step).
 
@@ -221,7 +221,7 @@ def _scan_layers(
         metrics, biases = [], []
         for j in range(period):
             p = jax.tree.map(lambda a, j=j: a[j], p_stack)
-            one = functools.partial(_layer, i=j, m=m, dispatch=dispatch, capture=capture, runtime=runtime)
+            one = functools.partial(transformer_layer, i=j, m=m, dispatch=dispatch, capture=capture, runtime=runtime)
             if m.remat == "each_layer":  # each layer its own checkpoint: one layer's residuals at a time
                 one = _remat_alone(one, offload)
             x, met, bias = one(x, p, bias_stack[j])
@@ -314,7 +314,9 @@ def forward(
         x, first, layer_metrics, new_bias = _scan_layers(params, state, x, m, dispatch, capture, runtime)
     rest = params["layers"] if not first else jax.tree.map(lambda a: a[first:], params["layers"])
     for i, p in enumerate(unstack(rest) if first < m.n_layers else [], start=first):  # unrolled: local and
-        one = functools.partial(_layer, i=i, m=m, dispatch=dispatch, capture=capture, runtime=runtime)  # layers differ
+        one = functools.partial(
+            transformer_layer, i=i, m=m, dispatch=dispatch, capture=capture, runtime=runtime
+        )  # layers differ
         if m.remat != "none":
             one = jax.checkpoint(one)
         x, metrics, bias = one(x, p, state["router_bias"][i])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from moelab.errors import MeshError  # noqa: F401 - raised here, importable from here
 
 BATCH = ("data", "expert")  # the mesh axes the batch (and every token-major array) is split over
+MAX_SIMULATED_DEVICES = 1024  # more simulated CPU devices than this and XLA takes minutes to start, or hangs
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # stacked [layers, experts, ...]: split over ``expert``
 
 # each parameter's (and the router-bias state's) dimensions by logical name; layer weights are

@@ -438,9 +438,6 @@ def largest_micro_batch(cfg: Config, sizes: dict[str, int], fsdp: bool, fixed: d
     return b
 
 
-MAX_SIMULATED_DEVICES = 1024  # more simulated CPU devices than this and XLA takes minutes to start, or hangs
-
-
 def fit_check(cfg: Config) -> None:
     """Refuse, in one line, a run whose plan cannot fit the devices it will run on (before anything
     is written): on an accelerator each device's memory (the table in moelab.devices, else what JAX

@@ -10,9 +10,9 @@ from moelab.config import Config
 from moelab.model.moe import moe_block
 from moelab.model.transformer import (
     FP32_PARAMS,
-    _layer,
     ce_terms,
     param_shapes,
+    transformer_layer,
 )
 
 
@@ -85,7 +85,7 @@ def layer_residuals(cfg: Config, expert: int, b: int, layer: int) -> int:
     m = traced_model(cfg, expert)
 
     def f(x, p, bias):
-        y, metrics, _ = _layer(x, p, bias, i=layer, m=m, dispatch=m.dispatch, capture=False)
+        y, metrics, _ = transformer_layer(x, p, bias, i=layer, m=m, dispatch=m.dispatch, capture=False)
         return y, metrics["aux_loss"], metrics["router_z"]
 
     return residual_bytes(f, *layer_inputs(m, b))
