@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.errors import RecordError
+from moelab.errors import RecordError, UsageError
 
 _CHUNK = 1 << 16
 
@@ -136,3 +136,25 @@ def jsonable(x):
         arr = np.asarray(x)
         return arr.item() if arr.ndim == 0 else arr.tolist()
     return x
+
+
+def input_records(path: str | Path, label: str = "", what: str = "record"):
+    """(where, record) for each non-blank line of a JSON-lines input file (a task file, a data file a
+    user names): ``where`` is "label: file:line" for the caller's own refusals; a file that cannot be
+    read or a line that is not JSON is a UsageError naming the file (and the line)."""
+    path = Path(path)
+    head = f"{label}: {path}" if label else str(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{head}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UsageError(f"{head}: cannot be read ({exc.strerror or exc})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{head}:{n}: not a JSON object ({exc.msg}); each line is one {what}") from None
+        yield f"{head}:{n}", rec

@@ -23,7 +23,6 @@ tasks by ``moelab.train.run_tasks`` (`moelab eval RUN --tasks` and ``--retrieval
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import numpy as np
 
 from moelab.errors import UsageError
 from moelab.eval.builtin import BUILTIN, builtin_task
+from moelab.jsonl import input_records
 from moelab.model.transformer import ce_terms, forward
 
 
@@ -53,18 +53,7 @@ def load_task(path: str | Path, field: str = "--tasks") -> list[Example]:
     if not path.is_file():
         raise UsageError(f"{field}: {path}: no such task file (JSON lines; see moelab.eval.tasks)")
     out = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{field}: {path}: not UTF-8 text (byte {exc.start})") from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{field}: {path}:{i}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{where}: not a JSON object; each line is one example") from None
+    for where, rec in input_records(path, field, "example"):
         if not isinstance(rec, dict) or not isinstance(rec.get("context"), str):
             raise UsageError(f'{where}: needs a string "context"')
         if "choices" in rec:

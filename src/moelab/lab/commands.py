@@ -15,7 +15,7 @@ from moelab.errors import ExperimentError, RunRefused
 from moelab.lab.executor import Runner, read_status
 from moelab.lab.graph import Experiment, resolve
 from moelab.lab.journal import Journal, attempt_rows, headline, record
-from moelab.lab.steps import _config, _train
+from moelab.lab.steps import run_train, step_config
 from moelab.runs import load_run_config
 
 
@@ -146,7 +146,7 @@ def issue_markdown(exp: Experiment, prefix: Path) -> str:
         cfg = _resolved(runner, step)
         params = flops = ""
         if step.estimate:
-            c = _config(cfg)
+            c = step_config(cfg)
             a = accounting.count(c)
             params = f"{accounting.human(a.total_params)} / {accounting.human(a.active_params)}"
             flops = f"{step.estimate(cfg)['flops']:.3g}"
@@ -185,8 +185,8 @@ def training_horizons(exp, prefix: Path | None = None) -> dict[str, int]:
     its run under ``prefix`` says so)."""
     out = {}
     for step in exp.all_steps():
-        if step.fn is _train:
-            out[step.name] = _config(resolve(step.config, lambda s: "")).train.steps
+        if step.fn is run_train:
+            out[step.name] = step_config(resolve(step.config, lambda s: "")).train.steps
             run = Path(prefix or ".") / step.dirname()
             if prefix is not None and (run / "config.json").is_file():
                 try:

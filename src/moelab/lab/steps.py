@@ -25,13 +25,13 @@ from moelab.train.loop import train
 from moelab.train.trackers import make_trackers
 
 
-def _config(cfg: dict):
+def step_config(cfg: dict):
     if "resolved" in cfg:  # a whole config, as a ladder's rule made it
         return config_from_dict(cfg["resolved"])
     return load_config(cfg["config"], list(cfg.get("overrides", [])))
 
 
-def _train(cfg: dict, out: Path) -> dict:
+def run_train(cfg: dict, out: Path) -> dict:
     if cfg.get("forecast") and not (out / "forecast.json").exists():
         # the registered forecast goes into the run before its first step: the loop monitors against it
         tmp = out / ".forecast.json.tmp"
@@ -47,7 +47,7 @@ def _train(cfg: dict, out: Path) -> dict:
         def stop() -> bool:
             return running.lease.lost
 
-    config = _config(cfg)
+    config = step_config(cfg)
     trackers = []
     if config.train.trackers:  # mirrored live, tagged with the experiment and the step
         tags = [running.journal.path.parent.name, running.step] if running is not None else []
@@ -72,7 +72,7 @@ def forecast_update_writer(running):
 
 
 def _estimate(cfg: dict) -> dict:
-    c = _config(cfg)
+    c = step_config(cfg)
     tokens = accounting.run_tokens(c)
     return {"flops": accounting.run_train(c)["train_flops"], "tokens": tokens}
 
@@ -103,7 +103,7 @@ def train_step(
         fields["forecast"] = versioned(forecast)
     return Step(
         name=name,
-        fn=_train,
+        fn=run_train,
         config={**fields, "progress": progress},
         resources=resources,
         estimate=_estimate,
@@ -146,7 +146,7 @@ def ladder_steps(ladder_path: str, *, progress: bool = True, prefix: str = "") -
 
 
 def _forecast(cfg: dict, out: Path) -> dict:
-    target = _config(cfg["target"])
+    target = step_config(cfg["target"])
     fc = forecast(cfg["rungs"], target, law=cfg.get("law") or DEFAULT_LAW, e=cfg.get("e"), floor=cfg.get("floor"),
                   n_boot=cfg.get("n_boot") or 200, prior=cfg.get("prior"))  # fmt: skip
     text = json.dumps(fc, indent=1)

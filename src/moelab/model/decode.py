@@ -24,7 +24,7 @@ from moelab.config import ModelConfig, rope_scaling_of
 from moelab.errors import UsageError
 from moelab.model.layers import group_kv, rms_norm, rope
 from moelab.model.moe import moe_block
-from moelab.model.transformer import _cast, logits_of
+from moelab.model.transformer import cast_params, logits_of
 
 
 def cache_slots(m: ModelConfig, context: int) -> list[int]:
@@ -79,7 +79,7 @@ def forward_cached(params: dict, state: dict, tokens: jax.Array, start: jax.Arra
     in fp32, the updated cache). n is the prompt's length when prefilling, 1 when decoding."""
     dtype = jnp.dtype(m.dtype)
     if dtype != jnp.float32:
-        params = _cast(params, dtype)
+        params = cast_params(params, dtype)
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = params["embed"][tokens]
     new_cache = []

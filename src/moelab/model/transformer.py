@@ -84,7 +84,7 @@ def count_params(params: dict) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def _cast(params: dict, dtype: jnp.dtype) -> dict:
+def cast_params(params: dict, dtype: jnp.dtype) -> dict:
     layers = {k: v if k in FP32_PARAMS else v.astype(dtype) for k, v in params["layers"].items()}
     return dict(params, layers=layers, embed=params["embed"].astype(dtype), head=params["head"].astype(dtype))
 
@@ -305,7 +305,7 @@ def forward(
     dispatch = dispatch or m.dispatch
     dtype = jnp.dtype(m.dtype)
     if dtype != jnp.float32:
-        params = _cast(params, dtype)
+        params = cast_params(params, dtype)
     x = pmesh.gathered({"embed": params["embed"]}, runtime)["embed"][tokens]
     layer_metrics = []
     new_bias = []

@@ -30,6 +30,7 @@ micro-batch below that is a smaller global batch.
 from __future__ import annotations
 
 import math
+import sys
 
 from moelab import devices
 from moelab.cache import remember, remembered
@@ -486,7 +487,8 @@ def _fit_check(cfg: Config) -> None:
         return
     try:
         p = plan(cfg, data, expert, device_memory_gb=memory / GB, max_micro_batch=False)
-    except Exception:  # a config the plan cannot trace here (cudnn on CPU): the run's own checks name it
+    except Exception as exc:  # a config the plan cannot trace here (cudnn on CPU): the run's own checks name it
+        print(f"memory plan: not checked ({type(exc).__name__}: {str(exc)[:160]}); the run goes on", file=sys.stderr)
         return
     if p["fits"]:
         remember("fit_check", key, True)
