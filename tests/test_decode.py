@@ -53,6 +53,20 @@ def test_cached_logits_equal_the_full_forward_at_every_generated_position(model)
     assert len(set(new)) > 3  # a real path, not one token repeated
 
 
+def test_a_chunked_prefill_gives_the_whole_prefill_s_logits():
+    """A 23-token prompt prefilled in pieces (16 + 4 + 1 + 1 + 1, past the window of 5) continues with the
+    logits of the prompt prefilled at once; ``until`` ends the generation where it says."""
+    m, params, state = windowed_lm()
+    gen = Generator(params, state, m)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, 64, 23)]
+    whole, lw = gen.generate(prompt, max_new=1, keep_logits=True)
+    parts, lp = gen.generate(prompt, max_new=1, keep_logits=True, chunked=True)
+    assert whole == parts
+    np.testing.assert_allclose(lp[0], lw[0], atol=1e-5, rtol=1e-5)
+    new, _ = gen.generate(prompt[:5], max_new=10)
+    assert gen.generate(prompt[:5], max_new=10, until=lambda out: len(out) >= 3)[0] == new[:3]
+
+
 def test_generation_stops_at_the_context_and_at_the_stop_token():
     m, params, state = windowed_lm(seq_len=12)
     gen = Generator(params, state, m)

@@ -155,7 +155,7 @@ def test_model_loglik_equals_the_log_softmax_of_the_full_forward():
     assert np.isfinite(got).all()
 
 
-def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path):
+def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path, capsys):
     """train.task_evals: scored at every evaluation (the same as `moelab eval --tasks` on the same
     checkpoint), in the summary and as a plot per task on the site; a bad task is refused before a
     run folder exists."""
@@ -172,17 +172,44 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path)
         {"context": "import ", "choices": ["os", "zz"], "answer": 0},
         {"context": "for i in ", "continuation": "range(10):"},
     ]))  # fmt: skip
+    gen = tmp_path / "gen.jsonl"  # generation tasks whose outcome turns on what the model writes, and two fixed ones
+    gen.write_text("\n".join(json.dumps(r) for r in [
+        *({"prompt": p, "regex": r, "stop": ["\n"]}
+          for p, r in zip(("def ", "x = ", "import ", "class ", "# "), ("[aeiou]", r"^\)", "[0-9]", "def", "q"), strict=True)),
+        {"prompt": "x = 1\n# ", "tests": "assert x == 1", "stop": ["\n"]},  # the completion: a comment
+        {"prompt": "x = 1\n# ", "tests": "assert x == 2", "stop": ["\n"]},
+    ]))  # fmt: skip
     sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=4", "train.eval_every=2", "model.seq_len=64"]
     bad = tmp_path / "bad-run"
     with pytest.raises(UsageError, match="train.task_evals: 'nosuch' is neither"):
         train(load_config("tiny", sets + ["train.task_evals=[nosuch]"]), bad, progress=False)
     assert not bad.exists()
     run = tmp_path / "run"
-    summary = train(load_config("tiny", sets + [f"train.task_evals=[{task}]"]), run, progress=False)
+    summary = train(load_config("tiny", sets + [f"train.task_evals=[{task},{gen}]"]), run, progress=False)
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"mine"} for r in evals)
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"mine", "gen"} for r in evals)
+    # a generation task: the loop's pass@1 is `moelab eval`'s, completion for completion
+    offline_gen = evaluate_tasks(run, [str(gen)], progress=False)["tasks"]["gen"]
+    assert evals[-1]["tasks"]["gen"] == {"pass@1": offline_gen["pass@1"]}
+    assert offline_gen["passed"]["gen/6"] == 1 and offline_gen["passed"]["gen/7"] == 0
+    assert offline_gen["pass@1"] == sum(offline_gen["passed"].values()) / 7
+    assert "task-gen" in dict(run_plots(run))
+    # the command line: k samples at a temperature, pass@1 and pass@k (pass@k >= pass@1), printed and kept
+    from moelab.cli import main
+
+    assert main(["eval", str(run), "--tasks", str(gen), "--samples", "3", "--max-new-tokens", "8"]) == 0
+    said = capsys.readouterr().out
+    kept = json.loads((run / "evals" / "step_00000004-tasks.json").read_text())["tasks"]
+    assert kept["gen"]["samples"] == 3
+    line = next(x for x in said.splitlines() if x.strip().startswith("gen "))
+    assert line.split()[1:] == ["7", f"{kept['gen']['pass@1']:.3f}", f"{kept['gen']['pass@3']}"]
+    assert kept["gen"]["pass@3"] >= kept["gen"]["pass@1"]
+    assert main(["eval", str(run), "--samples", "3"]) == 2  # a flag that does nothing alone: refused
+    assert "--samples, --temperature, --max-new-tokens and --seed: only with --tasks" in capsys.readouterr().err
     assert summary["final_tasks"] == evals[-1]["tasks"] and summary["first_tasks"] == evals[0]["tasks"]
     offline = evaluate_tasks(run, [str(task)], progress=False)["tasks"]["mine"]
+    kept = json.loads((run / "evals" / "step_00000004-tasks.json").read_text())["tasks"]
+    assert set(kept) == {"gen", "mine"}  # beside the task scored there before
     for k in ("acc", "acc_norm", "chance"):
         assert evals[-1]["tasks"]["mine"][k] == offline[k]
     assert evals[-1]["tasks"]["mine"]["bpb"] == pytest.approx(offline["bpb"], rel=1e-5)

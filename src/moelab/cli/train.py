@@ -243,16 +243,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("--limit: only with --harness (at most N examples per lm-eval task)")
     if args.retrieval is not None:
         return _retrieval(args)
+    if not args.tasks and (args.samples != 1 or args.temperature != 0.8 or args.max_new_tokens != 128 or args.seed):
+        raise UsageError("--samples, --temperature, --max-new-tokens and --seed: only with --tasks (generation tasks)")
     if args.tasks:
         from moelab.train.run_tasks import evaluate_tasks
 
-        res = evaluate_tasks(args.run_dir, args.tasks, args.checkpoint, progress=not args.json)
+        res = evaluate_tasks(args.run_dir, args.tasks, args.checkpoint, progress=not args.json, samples=args.samples,
+                             temperature=args.temperature, max_new=args.max_new_tokens, seed=args.seed)  # fmt: skip
         if args.json:
             print(_json.dumps(res, indent=1))
             return 0
         print(f"{args.run_dir} at step {res['step']}")
-        print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")
-        for name, r in res["tasks"].items():
+        generated = {k: r for k, r in res["tasks"].items() if "pass@1" in r}
+        if generated:
+            at_k = f"pass@{args.samples}" if args.samples > 1 else ""
+            print(f"  {'generation task':<24} {'prompts':>8} {'pass@1':>7} {at_k:>9}")
+            for name, r in generated.items():
+                print(f"  {name:<24} {r['examples']:>8} {r['pass@1']:>7.3f} {r[at_k] if at_k else '':>9}")
+        rest = {k: r for k, r in res["tasks"].items() if k not in generated}
+        if rest:
+            print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")
+        for name, r in rest.items():
             mc = (
                 f"{r['acc']:>7.3f} {r['acc_norm']:>9.3f} {r['chance']:>7.3f}"
                 if "acc" in r
@@ -407,7 +418,8 @@ def register(sub) -> None:
         nargs="+",
         metavar="FILE",
         help="score task files (JSON lines: context + choices + answer, or context + continuation; see "
-        "moelab.eval.tasks) by log-likelihood: accuracy, length-normalised accuracy, bits per byte",
+        "moelab.eval.tasks) by log-likelihood: accuracy, length-normalised accuracy, bits per byte; or generation "
+        "tasks (prompt + tests, target or regex): pass@1 (and pass@K with --samples K)",
     )
     p.add_argument(
         "--harness",
@@ -416,6 +428,17 @@ def register(sub) -> None:
         "names whose datasets are in the local Hugging Face cache, or task YAML paths over local data files; "
         "nothing is downloaded; results in evals/step_N-harness.json",
     )
+    p.add_argument(
+        "--samples",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="with --tasks, for generation tasks (a prompt and tests, a target or a regex; moelab.eval.generation): "
+        "K completions per prompt, 1 = greedy; prints pass@1 and pass@K (Chen et al.'s unbiased estimator)",
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="with --samples K > 1: the sampling temperature")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="with --tasks: a completion's limit")
+    p.add_argument("--seed", type=int, default=0, help="with --samples K > 1: the sampling seed")
     p.add_argument("--limit", type=positive_int, metavar="N", help="with --harness: at most N examples per task")
     p.add_argument(
         "--retrieval",

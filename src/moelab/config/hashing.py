@@ -48,7 +48,7 @@ HASH_NEUTRAL = {
 # neutral value they leave out of a step's identity too, so a finished step is still found
 LAB_NEUTRAL = {("train", "data_seed")}
 # fields never hashed: what is evaluated beside the loss changes nothing a run trains
-NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples")}
+NEVER_HASHED = {("train", "task_evals"), ("train", "task_eval_examples"), ("train", "task_eval_samples")}
 
 
 def step_dict(cfg: Config) -> dict:

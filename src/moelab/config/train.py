@@ -127,10 +127,14 @@ class TrainConfig:
     )
     task_evals: tuple[str, ...] = _f(
         (),
-        "Tasks scored by log-likelihood at every evaluation (moelab.eval.tasks). Built-in names (next_line, brackets, defined_name) or JSON-lines task files.",
+        "Tasks scored at every evaluation: by log-likelihood (moelab.eval.tasks) or, for a file of prompts, by the completions the model writes (moelab.eval.generation: pass@k). Built-in names (next_line, brackets, defined_name) or JSON-lines task files.",
     )
     task_eval_examples: int = _f(
         100, "Examples per task at each evaluation in the loop, evenly spread over its file; 0 = all."
+    )
+    task_eval_samples: int = _f(
+        1,
+        "Completions per prompt of a generation task in train.task_evals: 1 = greedy (pass@1), k > 1 = k samples at temperature 0.8 (pass@1 and pass@k).",
     )
 
     def check(self) -> list[str]:
@@ -188,6 +192,8 @@ class TrainConfig:
             )
         if t.task_eval_examples < 0:
             e.append(f"train.task_eval_examples: must be >= 0 (0 = every example), got {t.task_eval_examples}")
+        if t.task_eval_samples < 1:
+            e.append(f"train.task_eval_samples: must be >= 1 (1 = one greedy completion), got {t.task_eval_samples}")
         if not all(isinstance(x, str) and x.strip() for x in t.task_evals):
             e.append(f"train.task_evals: a list of built-in task names or task files, got {list(t.task_evals)!r}")
         if t.micro_batch < 0:

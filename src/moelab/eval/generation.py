@@ -8,7 +8,12 @@ A task file is JSON lines, one task per line, each with a ``prompt`` and exactly
   of surrounding white space.
 - ``{"prompt": str, "regex": str}``: the pattern is found in the completion (``re.search``).
 
-A line may also name its task (``"name"``). A bad line is refused in one line naming file:line.
+A line may also name its task (``"name"``) and say where a completion ends (``"stop"``, a list of
+strings; by default DEFAULT_STOPS of its check: HumanEval's for a program, the line's end for a
+target). A bad line is refused in one line naming file:line.
+
+``model_completions`` samples completions from a moelab model (``moelab.model.decode``): one greedy
+completion per prompt, or k at a temperature, each from its own seed, cut at the first stop string.
 ``pass_at_k`` is Chen et al. (2021)'s unbiased estimator of pass@k from n samples of which c pass.
 
 The sandbox is a subprocess in a scratch folder of its own (removed after), with a time limit, a
@@ -20,6 +25,7 @@ audit hooks refuse sockets, new processes and writes outside its folder (``Sandb
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -34,10 +40,16 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
 from moelab.errors import UsageError
 from moelab.jsonl import input_records
+from moelab.model.decode import Generator
 
 CHECKS = ("tests", "target", "regex")
+# where a completion ends unless its line says: a program at the next top-level statement (HumanEval's
+# stop sequences), a target at the line's end, a pattern at the token limit
+DEFAULT_STOPS = {"tests": ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"), "target": ("\n",), "regex": ()}
 
 # the namespace mode: run as `sh -c SETUP sh SCRATCH PROGRAM...` inside new user, network, mount and pid
 # namespaces. It keeps the scratch folder writable (a bind mount of itself), makes every other mount
@@ -89,13 +101,14 @@ class GenTask:
     prompt: str
     kind: str
     check: str
+    stop: tuple[str, ...] = ()
 
 
-def load_gen_tasks(path: str | Path) -> list[GenTask]:
+def load_gen_tasks(path: str | Path, label: str = "") -> list[GenTask]:
     """The tasks of a JSON-lines file; UsageError naming file:line for a line that is not one."""
     path = Path(path)
     tasks = []
-    for where, rec in input_records(path, what="task object"):
+    for where, rec in input_records(path, label, "task object"):
         if not isinstance(rec, dict):
             raise UsageError(f"{where}: a task is a JSON object with a prompt and one of {', '.join(CHECKS)}")
         if not isinstance(rec.get("prompt"), str):
@@ -112,11 +125,27 @@ def load_gen_tasks(path: str | Path) -> list[GenTask]:
                 re.compile(rec[kind])
             except re.error as exc:
                 raise UsageError(f'{where}: "regex" is not a regular expression ({exc})') from None
+        stop = rec.get("stop", DEFAULT_STOPS[kind])
+        if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
+            raise UsageError(f'{where}: "stop" must be a list of non-empty strings')
         name = rec.get("name", f"{path.stem}/{where.rsplit(':', 1)[1]}")
-        tasks.append(GenTask(str(name), rec["prompt"], kind, rec[kind]))
+        tasks.append(GenTask(str(name), rec["prompt"], kind, rec[kind], tuple(stop)))
     if not tasks:
-        raise UsageError(f"{path}: holds no task")
+        raise UsageError(f"{label + ': ' if label else ''}{path}: holds no task")
     return tasks
+
+
+def is_generation_file(path: str | Path) -> bool:
+    """Whether a task file holds generation tasks (its first line has a "prompt"), not log-likelihood ones."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    rec = json.loads(line)
+                    return isinstance(rec, dict) and "prompt" in rec
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the log-likelihood reader refuses it, naming what is wrong
+    return False
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -313,4 +342,55 @@ def score(tasks: list[GenTask], completions: list[list[str]], ks=(1,), sandbox: 
            for k in ks if k <= n}  # fmt: skip
     out["passed"] = {t.name: p for t, p in zip(tasks, passes, strict=True)}
     out["samples"] = n
+    return out
+
+
+def cut(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` up to the first of ``stops`` (all of it where none occurs)."""
+    ends = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
+def model_completions(generator, tok, tasks: list[GenTask], samples: int = 1, temperature: float = 0.8,
+                      top_p: float = 0.95, max_new: int = 128, seed: int = 0, progress=None) -> list[list[str]]:  # fmt: skip
+    """``samples`` completions of each task's prompt by ``generator`` (a ``moelab.model.decode.Generator``)
+    with the run's tokenizer ``tok`` (``moelab.data.tokenizer.load_saved``): greedy for one sample, else at
+    ``temperature`` and ``top_p``, sample j of task i from seed (seed, i, j). A prompt starts as a
+    document does (after the bos or the end-of-text, as log-likelihood tasks score it) and keeps its last
+    tokens where it is longer than the context leaves room for. ``progress(i)`` after each task."""
+    if samples < 1:
+        raise UsageError(f"--samples {samples}: must be at least 1")
+    start = tok.bos if tok.add_bos and tok.bos is not None else tok.eos
+    room = max(generator.context - max_new, 1)
+    out = []
+    for i, task in enumerate(tasks):
+        ids = [start, *tok.tokenizer.encode(task.prompt, add_special_tokens=False).ids][-room:]
+        got = []
+        for j in range(samples):
+
+            def ended(new: list[int], stops=task.stop) -> bool:
+                return bool(stops) and any(x in tok.tokenizer.decode(new) for x in stops)
+
+            new, _ = generator.generate(
+                ids, max_new, 0.0 if samples == 1 else temperature, 0, 1.0 if samples == 1 else top_p,
+                seed=int(np.random.SeedSequence([seed, i, j]).generate_state(1)[0]), stop=tok.eos, until=ended,
+                chunked=True,
+            )  # fmt: skip
+            if new and new[-1] == tok.eos:
+                new = new[:-1]
+            got.append(cut(tok.tokenizer.decode(new), task.stop))
+        out.append(got)
+        if progress is not None:
+            progress(i)
+    return out
+
+
+def score_model(params, model_state, m, tok, tasks: list[GenTask], samples: int = 1, temperature: float = 0.8,
+                max_new: int = 128, seed: int = 0, progress=None) -> dict:  # fmt: skip
+    """A generation task scored for a model: ``model_completions``, then ``score`` with pass@1 (and
+    pass@samples) in a default Sandbox; with each task's first completion (``first``)."""
+    gen = Generator(params, model_state, m)
+    got = model_completions(gen, tok, tasks, samples, temperature, max_new=max_new, seed=seed, progress=progress)
+    out = score(tasks, got, (1, samples) if samples > 1 else (1,), Sandbox())
+    out["first"] = {t.name: c[0] for t, c in zip(tasks, got, strict=True)}
     return out

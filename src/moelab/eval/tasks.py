@@ -34,6 +34,7 @@ import numpy as np
 
 from moelab.errors import UsageError
 from moelab.eval.builtin import BUILTIN, builtin_task
+from moelab.eval.generation import is_generation_file, load_gen_tasks
 from moelab.jsonl import input_records
 from moelab.model.transformer import ce_terms, forward
 
@@ -163,9 +164,10 @@ def _row_scores(m):
     return rows
 
 
-def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list[Example]]:
+def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list]:
     """Tasks by name: a built-in task's name (moelab.eval.builtin) or a JSON-lines file; every one is
-    read (and a bad one refused) before anything is scored."""
+    read (and a bad one refused) before anything is scored. A file of generation tasks (its lines have a
+    "prompt": moelab.eval.generation) gives GenTasks, any other Examples."""
     out = {}
     for spec in specs:
         path = Path(spec)
@@ -173,5 +175,6 @@ def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list[E
             if spec not in BUILTIN:
                 raise UsageError(f"{field}: {spec!r} is neither a task file nor a built-in task ({', '.join(BUILTIN)})")
             path = builtin_task(spec)
-        out[path.stem if path.exists() and spec != path.stem else spec] = load_task(path, field)
+        read = load_gen_tasks if is_generation_file(path) else load_task
+        out[path.stem if path.exists() and spec != path.stem else spec] = read(path, field)
     return out

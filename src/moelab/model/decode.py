@@ -124,6 +124,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new: int) -
         raise UsageError(f"--max-new-tokens {max_new}: must be at least 1")
 
 
+PREFILL_CHUNKS = (256, 64, 16, 4, 1)
+
+
+def _chunks(n: int) -> list[int]:
+    """``n`` as a sum of PREFILL_CHUNKS, largest first."""
+    out = []
+    for c in PREFILL_CHUNKS:
+        out += [c] * (n // c)
+        n %= c
+    return out
+
+
 class Generator:
     """A model ready to generate: the prefill and the one-token step compiled once per shape."""
 
@@ -143,9 +155,13 @@ class Generator:
         stop: int | None = None,
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
+        until: Callable[[list[int]], bool] | None = None,
+        chunked: bool = False,
     ) -> tuple[list[int], list[np.ndarray]]:
-        """New tokens after ``prompt`` (at most ``max_new``, fewer at ``stop`` or the context's end), and
-        with ``keep_logits`` the logits each was picked from."""
+        """New tokens after ``prompt`` (at most ``max_new``, fewer at ``stop``, where ``until(new tokens)``
+        is true, or at the context's end), and with ``keep_logits`` the logits each was picked from.
+        ``chunked`` prefills the prompt in pieces of PREFILL_CHUNKS tokens, so that prompts of many
+        lengths compile a handful of shapes, not one each (an evaluation over many prompts)."""
         check_sampling(temperature, top_k, top_p, max_new)
         if not prompt:
             raise UsageError("--prompt: empty; give at least one token's worth of text")
@@ -155,7 +171,12 @@ class Generator:
             )
         rng = np.random.default_rng(seed)
         cache = init_cache(self.m, 1, self.context, jnp.dtype(self.m.dtype))
-        logits, cache = self._step(self.params, self.state, jnp.asarray([prompt], jnp.int32), jnp.int32(0), cache)
+        pieces = _chunks(len(prompt)) if chunked else [len(prompt)]
+        at = 0
+        for n in pieces:
+            piece = jnp.asarray([prompt[at : at + n]], jnp.int32)
+            logits, cache = self._step(self.params, self.state, piece, jnp.int32(at), cache)
+            at += n
         out, kept = [], []
         pos = len(prompt)
         while True:
@@ -166,7 +187,9 @@ class Generator:
             out.append(tok)
             if on_token is not None:
                 on_token(tok)
-            if tok == stop or len(out) == max_new or pos >= self.context:  # the next input would be past the context
+            if (
+                tok == stop or len(out) == max_new or pos >= self.context or (until is not None and until(out))
+            ):  # the next input would be past the context
                 return out, kept
             logits, cache = self._step(self.params, self.state, jnp.asarray([[tok]], jnp.int32), jnp.int32(pos), cache)
             pos += 1

@@ -111,7 +111,8 @@ def forecast_figure(run_dir: Path):
 
 def task_plots(ev: list[dict]) -> list[tuple[str, str]]:
     """One plot per task of train.task_evals against tokens: accuracy and length-normalised accuracy
-    with the chance level (multiple choice), or the target's bits per byte."""
+    with the chance level (multiple choice), the target's bits per byte, or a generation task's pass@k
+    with the held-out loss beside it."""
     scored = [r for r in ev if r.get("tasks")]
     out = []
     for name in scored[0]["tasks"] if scored else []:
@@ -124,6 +125,18 @@ def task_plots(ev: list[dict]) -> list[tuple[str, str]]:
             ax.plot(tokens, [g["acc_norm"] for g in got], marker=".", ls="--", label="acc_norm (per character)")
             ax.axhline(got[0]["chance"], color="0.4", ls=":", label=f"chance {got[0]['chance']:.3g}")
             ax.set_ylim(0, 1)
+        elif "pass@1" in got[0]:  # a generation task: pass@k, beside the held-out loss at the same evaluations
+            fig, ax = _fig(f"Task {name}: pass@k of the completions it writes", xlabel="tokens", ylabel="pass@k")
+            for key in sorted((k for k in got[0] if k.startswith("pass@")), key=lambda k: int(k[5:])):
+                ax.plot(tokens, [g.get(key, float("nan")) for g in got], marker=".", label=key)
+            ax.set_ylim(-0.02, 1.02)
+            if all("macro" in (r.get("loss") or {}) for r in rows):
+                twin = ax.twinx()
+                twin.plot(
+                    tokens, [r["loss"]["macro"] for r in rows], color="0.5", ls=":", label="held-out loss (macro)"
+                )
+                twin.set_ylabel("nats / token")
+                twin.legend(fontsize=7, loc="upper center")
         else:
             fig, ax = _fig(f"Task {name}: the target's bits per byte", xlabel="tokens", ylabel="bits / byte")
             ax.plot(tokens, [g["bpb"] for g in got], marker=".", label="bits per byte")

@@ -20,6 +20,7 @@ from moelab.config import Config, config_hash, data_seed, phase_config, rope_sca
 from moelab.data.mixture import Mixture, batch_at, batch_rows, epochs_at
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_saved
+from moelab.eval.generation import GenTask, score_model
 from moelab.eval.tasks import model_loglik, score
 from moelab.monitor.faults import Injector
 from moelab.parallel import mesh as pmesh
@@ -187,12 +188,22 @@ class RunState:
         return rec
 
     def tasks(self, m) -> dict:
-        """train.task_evals scored now: each task's acc, acc_norm, acc_bytes, chance and bits per byte."""
+        """train.task_evals scored now: each task's acc, acc_norm, acc_bytes, chance and bits per byte, or
+        a generation task's pass@1 (and pass@k with train.task_eval_samples k)."""
         if self.task_tok is None:
             self.task_tok = load_saved(self.store.path)
-        loglik = model_loglik(self.state["params"], self.state["model_state"], m, self.task_tok, batch=32)
+        params, ms = self.state["params"], self.state["model_state"]
+        loglik = model_loglik(params, ms, m, self.task_tok, batch=32)
         keep = ("acc", "acc_norm", "acc_bytes", "chance", "bpb")
-        return {name: {k: v for k, v in score(ex, loglik).items() if k in keep} for name, ex in self.task_sets.items()}
+        k = self.cfg.train.task_eval_samples
+        out = {}
+        for name, ex in self.task_sets.items():
+            if ex and isinstance(ex[0], GenTask):  # completions the model writes, checked: pass@1 (and pass@k)
+                got = score_model(params, ms, m, self.task_tok, ex, samples=k)
+                out[name] = {key: v for key, v in got.items() if key.startswith("pass@")}
+            else:
+                out[name] = {key: v for key, v in score(ex, loglik).items() if key in keep}
+        return out
 
     def save(self, done: int) -> None:
         """A checkpoint after step ``done`` (in the background with train.async_checkpoint)."""

@@ -14,25 +14,45 @@ from moelab.config import final_model
 from moelab.data.tokenizer import load_saved
 from moelab.errors import UsageError
 from moelab.eval.builtin import retrieval_examples
+from moelab.eval.generation import GenTask, score_model
 from moelab.eval.tasks import Example, load_tasks, model_loglik, score
 from moelab.progress import say
 from moelab.runs import load_run_config
 from moelab.train.evaluate import restored
 
 
-def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progress: bool = True) -> dict:
+def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progress: bool = True, samples: int = 1,
+                   temperature: float = 0.8, max_new: int = 128, seed: int = 0) -> dict:  # fmt: skip
     """`moelab eval RUN --tasks FILE...`: each task file scored by the run's newest (or a given)
-    checkpoint with the run's own tokenizer; saved to evals/step_N-tasks.json."""
+    checkpoint with the run's own tokenizer; saved to evals/step_N-tasks.json (beside the tasks scored
+    there before). A generation task
+    (moelab.eval.generation) gets ``samples`` completions per prompt (one greedy, or k at
+    ``temperature``) of at most ``max_new`` tokens: pass@1, and pass@k for k = samples."""
+    if samples < 1:
+        raise UsageError(f"--samples {samples}: must be at least 1 (1 = one greedy completion)")
     tasks = load_tasks(files)  # every file refused before anything loads
     run, cfg, store, state, step = restored(run_dir, step, progress)
     # the model as it ends its run: the last phase's context and RoPE
-    loglik = model_loglik(state["params"], state["model_state"], final_model(cfg), load_saved(store.path))
+    m, tok = final_model(cfg), load_saved(store.path)
+    loglik = model_loglik(state["params"], state["model_state"], m, tok)
     res = {"step": step, "tasks": {}}
     for name, examples in tasks.items():
+        if examples and isinstance(examples[0], GenTask):
+            say(f"{name}: {samples} completion(s) of each of {len(examples)} prompts, checked", progress)
+            res["tasks"][name] = score_model(
+                state["params"], state["model_state"], m, tok, examples, samples, temperature, max_new, seed
+            )
+            res["tasks"][name]["examples"] = len(examples)
+            continue
         say(f"scoring {name}: {len(examples)} examples", progress)
         res["tasks"][name] = score(examples, loglik)
     (run.path / "evals").mkdir(exist_ok=True)
-    (run.path / "evals" / f"step_{step:08d}-tasks.json").write_text(json.dumps(res, indent=1))
+    path = run.path / "evals" / f"step_{step:08d}-tasks.json"
+    try:  # the tasks scored before at this step stay beside these
+        kept = {**json.loads(path.read_text()).get("tasks", {}), **res["tasks"]}
+    except (OSError, ValueError, AttributeError):
+        kept = res["tasks"]
+    path.write_text(json.dumps({**res, "tasks": kept}, indent=1))
     return res
 
 
