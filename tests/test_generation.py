@@ -204,3 +204,110 @@ def test_the_sandbox_has_no_network(namespaces):
     finally:
         server.close()
     assert math.isfinite(out.seconds)
+
+
+# ---------------------------------------------------------------- the built-in code task (doctests)
+
+MODULE = '''
+import os
+
+LIMIT = 3
+
+
+def double(x):
+    """Twice x.
+
+    >>> double(4)
+    8
+    """
+    return 2 * x
+
+
+def capped(x):
+    """x, at most LIMIT (reads a module global: not a task).
+
+    >>> capped(9)
+    3
+    """
+    return min(x, LIMIT)
+
+
+@staticmethod
+def decorated(x):
+    """>>> decorated(1)
+    1
+    """
+    return x
+
+
+def only_prints():
+    """Its examples hold whatever the body does (`pass` passes them too: not a task).
+
+    >>> only_prints()
+    """
+    return None
+
+
+def joined(parts):
+    """Imports what it needs itself.
+
+    >>> joined(["a", "b"])
+    'a/b'
+    """
+    import posixpath
+
+    return posixpath.join(*parts)
+
+
+def no_examples(x):
+    """No doctest here."""
+    return x
+'''
+
+
+def test_the_doctest_task_maker_keeps_what_its_rule_says(tmp_path):
+    from moelab.eval import doctest_tasks as D
+
+    names = [name for name, _, _ in D.candidates(MODULE)]
+    assert names == ["double", "only_prints", "joined"]  # capped reads a global; decorated, no_examples: not taken
+    name, prompt, solution = D.candidates(MODULE)[0]
+    assert prompt.startswith("def double(x):\n") and prompt.endswith('    """\n') and solution == "    return 2 * x\n"
+    site = tmp_path / "site" / "pkg"
+    site.mkdir(parents=True)
+    (site / "mod.py").write_text(MODULE)
+    man = D.generate(tmp_path / "out", tmp_path / "site", progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "doctests.jsonl").read_text().splitlines()]
+    # only_prints: its body `pass` passes its examples too, so it checks nothing
+    assert [r["name"] for r in rows] == ["pkg/mod.py:double", "pkg/mod.py:joined"]
+    assert man["tasks"] == 2 and list(man["files"]) == ["pkg/mod.py"]
+    tasks = G.load_gen_tasks(tmp_path / "out" / "doctests.jsonl")
+    box = G.Sandbox(timeout=20)
+    assert G.check(tasks[0], "    return x + x\n", box) and not G.check(tasks[0], "    return x * x\n", box)
+
+
+def test_the_shipped_doctest_task_holds_what_its_manifest_says():
+    """The shipped file loads as generation tasks, each with its doctest runner, and a sample of them:
+    the original body passes, an empty one fails (every task, in `make test-all`'s slow pass)."""
+    from moelab.eval import doctest_tasks as D
+    from moelab.eval.tasks import load_tasks
+
+    tasks = load_tasks(["doctests"])["doctests"]
+    man = json.loads((D.DATA / "doctests.json").read_text())
+    assert len(tasks) == man["tasks"] >= 32 and all(t.kind == "tests" and t.check == D.RUNNER for t in tasks)
+    rows = [json.loads(x) for x in (D.DATA / "doctests.jsonl").read_text().splitlines()]
+    box = G.Sandbox(timeout=20)
+    for t, r in list(zip(tasks, rows, strict=True))[::16]:
+        assert G.check(t, r["solution"], box), t.name
+        assert not G.check(t, "    pass\n", box), t.name
+
+
+@pytest.mark.slow
+def test_every_shipped_doctest_task_passes_its_body_and_fails_an_empty_one():
+    from moelab.eval import doctest_tasks as D
+
+    tasks = G.load_gen_tasks(D.DATA / "doctests.jsonl")
+    rows = [json.loads(x) for x in (D.DATA / "doctests.jsonl").read_text().splitlines()]
+    box = G.Sandbox(timeout=20)
+    bad = [t.name for t, r in zip(tasks, rows, strict=True) if not G.check(t, r["solution"], box)]
+    weak = [t.name for t in tasks if G.check(t, "    pass\n", box)]
+    assert bad == [] and weak == []

@@ -49,6 +49,7 @@ from moelab.progress import say
 DATA = Path(__file__).parent / "data"
 MANIFEST = "tasks.json"
 BUILTIN = ("next_line", "brackets", "defined_name")
+GENERATION = ("doctests",)  # code generation, made from installed packages: moelab.eval.doctest_tasks
 CODE_DOMAINS = ("stdlib-code", "stdlib-tests")
 PROSE_DOMAINS = ("stdlib-docs",)
 SEED = 0
@@ -348,18 +349,18 @@ def _by_length(rows: list[dict], pick) -> float:
 
 
 def builtin_task(name: str) -> Path:
-    """The shipped file of a built-in task, by name (``BUILTIN``)."""
-    if name not in BUILTIN:
+    """The shipped file of a built-in task, by name (``BUILTIN`` or ``GENERATION``)."""
+    if name not in BUILTIN + GENERATION:
         extra = " (retrieval is generated for a run's tokenizer: moelab.eval.builtin.write_retrieval)"
         raise UsageError(
-            f"unknown built-in task {name!r}; built in: {', '.join(BUILTIN)}{extra if name == 'retrieval' else ''}"
+            f"unknown built-in task {name!r}; built in: {', '.join(BUILTIN + GENERATION)}{extra if name == 'retrieval' else ''}"
         )
     return DATA / f"{name}.jsonl"
 
 
 def task_path(spec: str | Path) -> Path:
     """A task named in a config or on a command line: a built-in's name (``BUILTIN``) or a file's path."""
-    return builtin_task(str(spec)) if str(spec) in BUILTIN else Path(spec)
+    return builtin_task(str(spec)) if str(spec) in BUILTIN + GENERATION else Path(spec)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.errors import UsageError
-from moelab.eval.builtin import BUILTIN, builtin_task
+from moelab.eval.builtin import BUILTIN, GENERATION, builtin_task
 from moelab.eval.generation import is_generation_file, load_gen_tasks
 from moelab.jsonl import input_records
 from moelab.model.transformer import ce_terms, forward
@@ -172,8 +172,10 @@ def load_tasks(specs: Sequence[str], field: str = "--tasks") -> dict[str, list]:
     for spec in specs:
         path = Path(spec)
         if not path.exists() and "/" not in spec and not spec.endswith(".jsonl"):
-            if spec not in BUILTIN:
-                raise UsageError(f"{field}: {spec!r} is neither a task file nor a built-in task ({', '.join(BUILTIN)})")
+            if spec not in BUILTIN + GENERATION:
+                raise UsageError(
+                    f"{field}: {spec!r} is neither a task file nor a built-in task ({', '.join(BUILTIN + GENERATION)})"
+                )
             path = builtin_task(spec)
         read = load_gen_tasks if is_generation_file(path) else load_task
         out[path.stem if path.exists() and spec != path.stem else spec] = read(path, field)
