@@ -163,7 +163,11 @@ def test_defined_name_is_defined_in_the_context_and_the_others_nowhere(regenerat
 def test_regeneration_gives_the_same_bytes(regenerated):
     a, b = regenerated
     files = sorted(p.name for p in a.iterdir() if not p.name.startswith("doctests."))  # moelab.eval.doctest_tasks
-    assert files == sorted(p.name for p in b.iterdir() if not p.name.startswith("doctests.")) == sorted([*(f"{n}.jsonl" for n in B.BUILTIN), B.MANIFEST])
+    assert (
+        files
+        == sorted(p.name for p in b.iterdir() if not p.name.startswith("doctests."))
+        == sorted([*(f"{n}.jsonl" for n in B.BUILTIN), B.MANIFEST])
+    )
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
     here = json.loads((a / B.MANIFEST).read_text())["documents"]
