@@ -202,7 +202,7 @@ def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path,
     kept = json.loads((run / "evals" / "step_00000004-tasks.json").read_text())["tasks"]
     assert kept["gen"]["samples"] == 3
     line = next(x for x in said.splitlines() if x.strip().startswith("gen "))
-    assert line.split()[1:] == ["7", f"{kept['gen']['pass@1']:.3f}", f"{kept['gen']['pass@3']}"]
+    assert line.split()[1:] == ["7", f"{kept['gen']['pass@1']:.3f}", f"{kept['gen']['pass@3']:.3f}"]
     assert kept["gen"]["pass@3"] >= kept["gen"]["pass@1"]
     assert main(["eval", str(run), "--samples", "3"]) == 2  # a flag that does nothing alone: refused
     assert "--samples, --temperature, --max-new-tokens and --seed: only with --tasks" in capsys.readouterr().err

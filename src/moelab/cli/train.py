@@ -259,7 +259,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             at_k = f"pass@{args.samples}" if args.samples > 1 else ""
             print(f"  {'generation task':<24} {'prompts':>8} {'pass@1':>7} {at_k:>9}")
             for name, r in generated.items():
-                print(f"  {name:<24} {r['examples']:>8} {r['pass@1']:>7.3f} {r[at_k] if at_k else '':>9}")
+                print(
+                    f"  {name:<24} {r['examples']:>8} {r['pass@1']:>7.3f} {format(r[at_k], '.3f') if at_k else '':>9}"
+                )
         rest = {k: r for k, r in res["tasks"].items() if k not in generated}
         if rest:
             print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -64,6 +63,22 @@ cd "$S" || exit 97
 exec unshare -rm "$@"
 """
 NAMESPACES = ["unshare", "-rnmpf", "--mount-proc", "--kill-child"]
+
+# run as `python -I -S -c LIMITER MEM,CPU,FSIZE,NPROC CGROUP PATH ARGV...`: sets the limits on itself,
+# joins the pids cgroup (when one is named), then becomes the program (exec)
+LIMITER = """import os, resource, sys
+mem, cpu, fsize, nproc = map(int, sys.argv[1].split(","))
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if nproc:
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+if sys.argv[2]:
+    with open(os.path.join(sys.argv[2], "cgroup.procs"), "w") as fh:
+        fh.write(str(os.getpid()))
+os.execv(sys.argv[3], sys.argv[4:])
+"""
 
 # the fallback (no namespaces), run before the program: no socket, no new process, no native code, and
 # no file opened for writing, made, moved or removed outside the scratch folder (Python's audit hooks:
@@ -223,9 +238,6 @@ class _PidsCgroup:
                 path.rmdir()
         return None
 
-    def join(self) -> None:  # in the child, before exec
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
     def remove(self) -> None:
         for _ in range(100):  # the killed processes leave the group as the kernel reaps them
             try:
@@ -266,37 +278,31 @@ class Sandbox:
             if group:
                 group.remove()
 
-    def _limits(self, group: _PidsCgroup | None) -> None:  # in the child, before the program starts
-        mem = self.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        cpu = int(math.ceil(self.timeout)) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024 * 1024, 64 * 1024 * 1024))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if self.process_limit == "RLIMIT_NPROC":
-            n = self._nproc
-            resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
-        if group is not None:
-            group.join()
+    def _limits(self, group: _PidsCgroup | None) -> list[str]:
+        """The command that sets the limits and then runs the rest of the command line (LIMITER): set in
+        a process of its own, not between fork and exec (``preexec_fn`` is unsafe in a threaded process
+        such as one running JAX)."""
+        nproc = _user_processes() + self.processes if self.process_limit == "RLIMIT_NPROC" else 0
+        spec = [self.memory_mb * 1024 * 1024, int(math.ceil(self.timeout)) + 1, 64 * 1024 * 1024, nproc]
+        return [sys.executable, "-I", "-S", "-c", LIMITER, ",".join(map(str, spec)), str(group.path) if group else ""]
 
     def run(self, code: str) -> Outcome:
         """Run ``code``; passed when it exits 0 within the limits."""
         scratch = Path(tempfile.mkdtemp(prefix="moelab-sandbox-")).resolve()
         group = _PidsCgroup.make(self.processes + 4) if self.process_limit == "pids cgroup" else None
-        self._nproc = _user_processes() + self.processes if self.process_limit == "RLIMIT_NPROC" else 0
         try:
             program = scratch / "program.py"
             program.write_text(code if self.isolation == "namespaces" else GUARD + code)
             cmd = [sys.executable, "-I", "-B", str(program)]
             if self.isolation == "namespaces":
                 cmd = [*NAMESPACES, "sh", "-c", SETUP, "sh", str(scratch), *cmd]
+            cmd = [*self._limits(group), shutil.which(cmd[0]) or cmd[0], *cmd]
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(scratch), "LANG": "C.UTF-8"}
             log = scratch / "output.txt"  # a file, not a pipe: a process the program left behind cannot hold it open
             t0 = time.perf_counter()
             with open(log, "wb") as fh:
                 proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=fh,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=lambda: self._limits(group))  # fmt: skip
+                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
                 try:
                     returncode = proc.wait(timeout=self.timeout)
                 except subprocess.TimeoutExpired:

@@ -39,8 +39,14 @@ def evaluate_tasks(run_dir, files: Sequence[str], step: int | None = None, progr
     for name, examples in tasks.items():
         if examples and isinstance(examples[0], GenTask):
             say(f"{name}: {samples} completion(s) of each of {len(examples)} prompts, checked", progress)
+            n = len(examples)
+
+            def done(i: int, n: int = n) -> None:
+                if (i + 1) % 16 == 0 and i + 1 < n:
+                    say(f"  {i + 1}/{n} prompts written", progress)
+
             res["tasks"][name] = score_model(
-                state["params"], state["model_state"], m, tok, examples, samples, temperature, max_new, seed
+                state["params"], state["model_state"], m, tok, examples, samples, temperature, max_new, seed, done
             )
             res["tasks"][name]["examples"] = len(examples)
             continue
