@@ -20,7 +20,7 @@ def _train_config(args: argparse.Namespace):
 
         if not args.resume:
             raise UsageError("config: give a preset or a YAML file (only --resume may leave it out)")
-        given = [n for n in ("steps", "seed", "data", "inject") if getattr(args, n)] + (
+        given = [n for n in ("steps", "seed", "data", "inject", "init_from") if getattr(args, n)] + (
             ["set"] if args.overrides else []
         )
         if given:
@@ -35,6 +35,10 @@ def _train_config(args: argparse.Namespace):
         overrides.append(f"train.seed={args.seed}")
     if args.inject:
         overrides.append("train.inject=[" + ", ".join(args.inject) + "]")
+    if args.init_from:
+        from moelab.train.init_from import init_overrides
+
+        overrides += init_overrides(args.init_from, load_config(args.config, overrides))
     cfg = load_config(args.config, overrides)
     if args.data:
         cfg = replace(cfg, data={"sources": tuple(args.data)})
@@ -232,6 +236,23 @@ def _retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_tasks(args: argparse.Namespace, res: dict) -> None:
+    """`moelab eval --tasks`' tables: generation tasks (pass@k), then log-likelihood tasks."""
+    print(f"{args.run_dir} at step {res['step']}")
+    generated = {k: r for k, r in res["tasks"].items() if "pass@1" in r}
+    if generated:
+        at_k = f"pass@{args.samples}" if args.samples > 1 else ""
+        print(f"  {'generation task':<24} {'prompts':>8} {'pass@1':>7} {at_k:>9}")
+        for name, r in generated.items():
+            print(f"  {name:<24} {r['examples']:>8} {r['pass@1']:>7.3f} {format(r[at_k], '.3f') if at_k else '':>9}")
+    rest = {k: r for k, r in res["tasks"].items() if k not in generated}
+    if rest:
+        print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")
+    for name, r in rest.items():
+        mc = f"{r['acc']:>7.3f} {r['acc_norm']:>9.3f} {r['chance']:>7.3f}" if "acc" in r else f"{'':>7} {'':>9} {'':>7}"
+        print(f"  {name:<24} {r['examples']:>8} {mc} {r['bpb']:>10.4f}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import json as _json
 
@@ -253,25 +274,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.json:
             print(_json.dumps(res, indent=1))
             return 0
-        print(f"{args.run_dir} at step {res['step']}")
-        generated = {k: r for k, r in res["tasks"].items() if "pass@1" in r}
-        if generated:
-            at_k = f"pass@{args.samples}" if args.samples > 1 else ""
-            print(f"  {'generation task':<24} {'prompts':>8} {'pass@1':>7} {at_k:>9}")
-            for name, r in generated.items():
-                print(
-                    f"  {name:<24} {r['examples']:>8} {r['pass@1']:>7.3f} {format(r[at_k], '.3f') if at_k else '':>9}"
-                )
-        rest = {k: r for k, r in res["tasks"].items() if k not in generated}
-        if rest:
-            print(f"  {'task':<24} {'examples':>8} {'acc':>7} {'acc_norm':>9} {'chance':>7} {'bits/byte':>10}")
-        for name, r in rest.items():
-            mc = (
-                f"{r['acc']:>7.3f} {r['acc_norm']:>9.3f} {r['chance']:>7.3f}"
-                if "acc" in r
-                else f"{'':>7} {'':>9} {'':>7}"
-            )
-            print(f"  {name:<24} {r['examples']:>8} {mc} {r['bpb']:>10.4f}")
+        _print_tasks(args, res)
         return 0
     if args.noise:
         if args.against:
@@ -365,6 +368,12 @@ def register(sub) -> None:
         help="start a new run from this run's checkpoint at --at with a horizon of --steps (the config is the parent's)",
     )
     p.add_argument("--at", type=int, metavar="STEP", help="with --branch-from: the parent's checkpoint to start from")
+    p.add_argument(
+        "--init-from",
+        metavar="RUN[:STEP]",
+        help="fine-tune: start from this run's weights at STEP (default: its newest checkpoint) with this config's "
+        "own optimizer, schedule and data (train.init_from); its tokenizer too, unless data.tokenizer names one",
+    )
     p.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process job: its coordinator address")
     p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
     p.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1 (0 writes the records)")

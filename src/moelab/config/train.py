@@ -125,6 +125,10 @@ class TrainConfig:
         "",
         "Where checkpoints go; \"\" = the run's ckpt/ folder. Else any path Orbax's file layer takes (such as gs://...).",
     )
+    init_from: str = _f(
+        "",
+        'Start from a finished run\'s weights: "RUN:STEP" (its folder and checkpoint step), with this config\'s own optimizer (fresh), schedule and data; the model must have the parent\'s shapes. "" = from the seed. `moelab train --init-from RUN[:STEP]` sets it (the newest checkpoint by default).',
+    )
     task_evals: tuple[str, ...] = _f(
         (),
         "Tasks scored at every evaluation: by log-likelihood (moelab.eval.tasks) or, for a file of prompts, by the completions the model writes (moelab.eval.generation: pass@k). Built-in names (next_line, brackets, defined_name) or JSON-lines task files.",
@@ -192,6 +196,10 @@ class TrainConfig:
             )
         if t.task_eval_examples < 0:
             e.append(f"train.task_eval_examples: must be >= 0 (0 = every example), got {t.task_eval_examples}")
+        if t.init_from:
+            run, _, step = t.init_from.rpartition(":")
+            if not run or not step.isdigit():
+                e.append(f'train.init_from: "{t.init_from}"; give RUN:STEP, a run folder and its checkpoint step')
         if t.task_eval_samples < 1:
             e.append(f"train.task_eval_samples: must be >= 1 (1 = one greedy completion), got {t.task_eval_samples}")
         if not all(isinstance(x, str) and x.strip() for x in t.task_evals):

@@ -21,6 +21,7 @@ from moelab.monitor.health import check_run
 from moelab.runs import RunDir, load_run_config, read_jsonl
 from moelab.train.branch import branch_config, branch_point, start_branch
 from moelab.train.evaluate import evaluate_run
+from moelab.train.init_from import init_overrides
 from moelab.train.loop import train
 from moelab.train.trackers import make_trackers
 
@@ -132,6 +133,32 @@ def branch_step(name: str, parent, at: int, steps: int, overrides: list[str] = (
             "steps": versioned(int(steps)),
             "overrides": versioned(list(overrides)),
             "run_name": run_name,
+            "progress": progress,
+        },  # fmt: skip
+    )
+
+
+def _finetune(cfg: dict, out: Path) -> dict:
+    base = load_config(cfg["config"], list(cfg["overrides"]))
+    spec = str(cfg["parent"]) + (f":{cfg['at']}" if cfg.get("at") is not None else "")
+    config = load_config(cfg["config"], [*cfg["overrides"], *init_overrides(spec, base, "parent")])
+    return train(config, out, resume=True, progress=cfg.get("progress", True))
+
+
+def finetune_step(name: str, parent, config, overrides: list[str] = (), *, at: int | None = None,
+                  progress: bool = True) -> Step:  # fmt: skip
+    """Fine-tune: train ``config`` (a preset or YAML path with ``overrides``) from the weights of
+    ``parent`` (``output_of(a train step)``) at its checkpoint ``at`` (its newest by default), with its
+    own optimizer, schedule and data (moelab.train.init_from); the parent is a dependency of the step,
+    so the graph records it and the fine-tune's identity follows it."""
+    return Step(
+        name=name,
+        fn=_finetune,
+        config={
+            "parent": versioned(parent),
+            "at": versioned(None if at is None else int(at)),
+            "config": versioned(config),
+            "overrides": versioned(list(overrides)),
             "progress": progress,
         },  # fmt: skip
     )

@@ -33,6 +33,7 @@ from moelab.schedule import eval_points
 from moelab.train import checkpoint, optim
 from moelab.train.callbacks import FAULT_ENV, TestFaults, default_callbacks  # noqa: F401 - FAULT_ENV importable
 from moelab.train.core import Loop
+from moelab.train.init_from import check_parent, init_state
 from moelab.train.run_state import Injection, RunState
 from moelab.train.step import init_train_state, offload_state
 from moelab.train.summary import device_peak, matmul_dtype, set_matmul_precision, summarize  # noqa: F401
@@ -148,6 +149,8 @@ def train(
         raise ConfigError(problems)
     mesh = _mesh(cfg)  # a bad mesh is refused before anything is written
     task_sets = _task_sets(cfg)  # a task file that is not one is refused before anything is written
+    if cfg.train.init_from:  # a parent without that checkpoint, or of other shapes: refused before anything is written
+        check_parent(cfg)
     test_faults = TestFaults.from_env(run)
     rs = prepare(cfg, run, mesh, progress, resume, task_sets, test_faults)
     loop = Loop(rs, [*default_callbacks(rs, progress=progress, trackers=trackers, stop=stop,
@@ -256,6 +259,11 @@ def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_set
     elif resume and run.metrics.exists():
         run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
         run.event("resume", step=0, checkpoint=None)
+    if found is None and t.init_from:  # fine-tuning: the parent's weights, this run's own optimizer from them
+        say(f"starting from the weights of {t.init_from}", progress)
+        rs.state, event = init_state(cfg, rs.state, opt)
+        rs.fresh = False  # not the seed's model: its held-out losses are computed, not remembered
+        run.event("init_from", **event)
     return rs
 
 
