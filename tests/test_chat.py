@@ -104,3 +104,34 @@ def test_a_template_that_rewrites_earlier_turns_gives_no_spans(tmp_path):
 def test_a_bad_conversation_is_named(messages, says):
     assert says in problem(messages)
     assert problem(CONVERSATIONS[0]) is None
+
+
+def test_sample_chat_renders_the_run_s_template(tmp_path):
+    """`moelab sample --chat`: one user turn (or a --messages file) through the run's template, ready for
+    the assistant, ending at the template's end of turn; moelab's own where the tokenizer has none."""
+    import argparse
+    import types
+
+    from moelab.cli.use import _prompt_text
+
+    def args(**kw):
+        base = {"chat": True, "prompt": None, "messages": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    own = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=""))
+    text, stops = _prompt_text(args(prompt="Hi?"), own)
+    assert text == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n" and stops == ["<|im_end|>"]
+    hf = _hf_tokenizer(LLAMA)
+    hf.save_pretrained(tmp_path / "tok")
+    theirs = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=str(tmp_path / "tok")))
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps({"messages": CONVERSATIONS[1][:4]}))
+    text, stops = _prompt_text(args(messages=str(conv)), theirs)
+    assert text == hf.apply_chat_template(CONVERSATIONS[1][:4], tokenize=False, add_generation_prompt=True)
+    assert stops == ["</s>"]
+    assert _prompt_text(args(chat=False, prompt="def f("), own) == ("def f(", [])
+    with pytest.raises(UsageError, match="--chat: give one of --prompt TEXT"):
+        _prompt_text(args(prompt="x", messages=str(conv)), own)
+    conv.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
+    with pytest.raises(UsageError, match="unknown role 'robot'"):
+        _prompt_text(args(messages=str(conv)), own)

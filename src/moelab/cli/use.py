@@ -15,6 +15,38 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _prompt_text(args: argparse.Namespace, cfg) -> tuple[str, list[str]]:
+    """The text to continue and the strings that end the reply: --prompt as it is, or with --chat the
+    conversation (one user turn, or --messages FILE) through the run's chat template, ready for the
+    assistant (moelab.data.chat)."""
+    from moelab.data.chat import ChatTemplate, problem
+
+    if not args.chat:
+        if args.messages:
+            raise UsageError("--messages: only with --chat")
+        if args.prompt is None:
+            raise UsageError("--prompt: give the text to continue (or --chat with --prompt or --messages)")
+        return args.prompt, []
+    if (args.prompt is None) == (args.messages is None):
+        raise UsageError("--chat: give one of --prompt TEXT (one user turn) or --messages FILE (a conversation)")
+    if args.messages:
+        try:
+            data = json.loads(Path(args.messages).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--messages {args.messages}: not a readable JSON file ({exc})") from None
+        messages = data.get("messages") if isinstance(data, dict) else data
+        if not isinstance(messages, list) or not messages:
+            raise UsageError(f'--messages {args.messages}: give {{"messages": [{{"role", "content"}}, ...]}}')
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+    if (why := problem([*messages, {"role": "assistant", "content": ""}])) is not None:
+        raise UsageError(f"--messages {args.messages}: {why}" if args.messages else f"--prompt: {why}")
+    spec = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    tpl = ChatTemplate.of(spec if spec is None or spec.is_dir() else spec.parent)
+    stops = ["<|im_end|>"] if tpl.origin == "moelab" else [v for v in (tpl.special.get("eos_token"),) if v]
+    return tpl.render(messages, add_generation_prompt=True), stops
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
@@ -25,9 +57,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
     cfg = load_run_config(args.run_dir)  # bad input is refused in one line before anything loads
+    text_in, stops = _prompt_text(args, cfg)
     step = checkpoint_step(args.run_dir, args.checkpoint)
     tok = Tokenizer.from_file(str(tokenizer_of(args.run_dir, cfg)))
-    prompt = tok.encode(args.prompt).ids
+    prompt = tok.encode(text_in).ids
     if len(prompt) > cfg.model.seq_len:
         raise UsageError(
             f"--prompt: {len(prompt)} tokens, the model's context is {cfg.model.seq_len}: shorten the prompt"
@@ -36,7 +69,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     _say(f"loading {args.run_dir} at step {step} ...")
     t = load_trained(args.run_dir, step)
     gen = Generator(t.params, t.model_state, final_model(t.cfg))  # the last phase's context and RoPE
-    stream = sys.stdout.isatty() and not args.json
+    stream = sys.stdout.isatty() and not args.json and not args.chat  # a reply is printed without its end marker
     shown = [""]
     new: list[int] = []
 
@@ -51,14 +84,29 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     _say(f"compiling and generating up to {args.max_new_tokens} tokens after a {len(prompt)}-token prompt ...")
     t0 = time.perf_counter()
-    out, _ = gen.generate(
-        prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop, on_token
-    )
+
+    def turn_ended(new: list[int]) -> bool:  # --chat: the template's end of the assistant's turn
+        return any(x in tok.decode(new) for x in stops)
+
+    out, _ = gen.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop,
+                          on_token, until=turn_ended if stops else None)  # fmt: skip
     seconds = time.perf_counter() - t0
     text = tok.decode(out)
+    for x in stops:  # the reply, without the marker that ends it
+        text = text.split(x)[0]
     if args.json:
         print(
-            json.dumps({"step": step, "prompt": args.prompt, "text": text, "tokens": out, "seconds": seconds}, indent=1)
+            json.dumps(
+                {
+                    "step": step,
+                    "prompt": args.prompt,
+                    "rendered": text_in if args.chat else None,
+                    "text": text,
+                    "tokens": out,
+                    "seconds": seconds,
+                },
+                indent=1,
+            )  # fmt: skip
         )
     elif stream:
         sys.stdout.write(text[len(shown[0]) :] + "\n")
@@ -93,7 +141,16 @@ def register(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a run's checkpoint (KV cache, dropless MoE)")
     p.add_argument("run_dir", help="a run directory (train --out)")
     p.add_argument("--checkpoint", type=int, metavar="STEP", help="default: the newest")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", help="the text to continue (with --chat: the user's turn)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the run's chat template (its tokenizer's, else moelab's own) to --prompt as one user turn, or to "
+        "--messages, and print the assistant's reply, up to the end of its turn",
+    )
+    p.add_argument(
+        "--messages", metavar="FILE", help='with --chat: a conversation, {"messages": [{"role", "content"}, ...]}'
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy (default 1)")
     p.add_argument(
