@@ -164,3 +164,24 @@ def test_scaled_rope_export_gives_moelabs_logits(exported, torch1):
             got = m(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits[0].numpy()
         np.testing.assert_allclose(got[mask[0] == 1], ref, atol=ATOL, rtol=0, err_msg=kind)
         assert np.abs(plain - ref).max() > 1e-3  # the scaling changes the logits: a real check
+
+
+def test_the_export_carries_the_chat_template(exported, torch1):
+    """transformers' apply_chat_template on the export renders as `moelab sample --chat` does, and its greedy
+    generate() from that prompt writes moelab's greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from moelab.data.chat import ChatTemplate
+    from moelab.model.decode import Generator
+
+    model, t, out = exported
+    hf = AutoTokenizer.from_pretrained(str(out))
+    messages = [{"role": "user", "content": "x = "}]  # short: the tiny run's context is 64 tokens
+    text = ChatTemplate.for_tokenizer(t.cfg.data.tokenizer).render(messages, add_generation_prompt=True)
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    assert list(ids) == hf(text, add_special_tokens=False)["input_ids"]
+    want, _ = Generator(t.params, t.model_state, final_model(t.cfg)).generate(list(ids), max_new=8)
+    got = model.generate(torch1.tensor([list(ids)]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got[0, len(ids) :].tolist() == want

@@ -41,10 +41,8 @@ def _prompt_text(args: argparse.Namespace, cfg) -> tuple[str, list[str]]:
         messages = [{"role": "user", "content": args.prompt}]
     if (why := problem([*messages, {"role": "assistant", "content": ""}])) is not None:
         raise UsageError(f"--messages {args.messages}: {why}" if args.messages else f"--prompt: {why}")
-    spec = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    tpl = ChatTemplate.of(spec if spec is None or spec.is_dir() else spec.parent)
-    stops = ["<|im_end|>"] if tpl.origin == "moelab" else [v for v in (tpl.special.get("eos_token"),) if v]
-    return tpl.render(messages, add_generation_prompt=True), stops
+    tpl = ChatTemplate.for_tokenizer(cfg.data.tokenizer)
+    return tpl.render(messages, add_generation_prompt=True), tpl.ends
 
 
 def cmd_sample(args: argparse.Namespace) -> int:

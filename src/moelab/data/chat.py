@@ -123,6 +123,20 @@ class ChatTemplate:
         special = {k: _token_text(v) for k, v in conf.items() if k.endswith("_token") and _token_text(v) is not None}
         return cls(tpl, str(path), special)
 
+    @classmethod
+    def for_tokenizer(cls, spec: str) -> ChatTemplate:
+        """The template of a run's ``data.tokenizer`` (a tokenizer.json or its folder; "" for a tokenizer
+        moelab trained: moelab's own)."""
+        path = Path(spec) if spec else None
+        return cls.of(path if path is None or path.is_dir() else path.parent)
+
+    @property
+    def ends(self) -> list[str]:
+        """What ends the assistant's turn: moelab's end marker, or the tokenizer's end-of-sequence token."""
+        if self.origin == "moelab":
+            return ["<|im_end|>"]
+        return [v for v in (self.special.get("eos_token"),) if v]
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as text (UsageError where the template fails on it)."""
         from jinja2.exceptions import TemplateError

@@ -3,7 +3,8 @@
 ``export_hf`` writes a directory that Hugging Face transformers loads with
 ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``: ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (fp32, PyTorch names and [out, in] linear
-weights), ``tokenizer.json`` and ``tokenizer_config.json`` (a ``PreTrainedTokenizerFast``), and the
+weights), ``tokenizer.json`` and ``tokenizer_config.json`` (a ``PreTrainedTokenizerFast``, with the
+run's chat template: its tokenizer's, else moelab's own, ``moelab.data.chat``), and the
 architecture's two files (``configuration_moelab.py``, ``modeling_moelab.py``, copied from
 moelab/export/remote_code/). A global layer's k and v weights are written as that layer uses them (its kv
 heads averaged from the allocated ones, ``layers.group_kv``), so the PyTorch side needs no rule. The
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import final_model, rope_scaling_of, to_dict
+from moelab.data.chat import ChatTemplate
 from moelab.errors import UsageError
 from moelab.export import Trained, load_trained
 from moelab.model.layers import group_kv
@@ -163,6 +165,10 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
                    "clean_up_tokenization_spaces": False}  # fmt: skip
         if eot is not None:
             tok_cfg.update(eos_token=EOT, pad_token=EOT)
+        # the run's chat template (its tokenizer's, else moelab's own), so apply_chat_template renders as moelab does
+        chat = ChatTemplate.for_tokenizer(t.cfg.data.tokenizer)
+        tok_cfg["chat_template"] = chat.source
+        tok_cfg.update({k: v for k, v in chat.special.items() if k not in tok_cfg and k != "pad_token"})
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
         for name in ("configuration_moelab.py", "modeling_moelab.py"):
             shutil.copyfile(HERE / name, tmp / name)
