@@ -81,7 +81,9 @@ def _token_docs(dom: S.Domain, shard: S.Shard, tok: T.Tok, dtype, bad: S.Bad):
 
 
 def encode_unit(job: dict) -> dict:
-    """Tokenize one unit into ``units/<index>.{tok,doc}`` and mark it finished with ``.json``."""
+    """Tokenize one unit into ``units/<index>.{tok,doc}`` (and ``.msk`` for conversations) and mark it
+    finished with ``.json``."""
+    # long (91 lines): the unit's shards, their documents and the batched flushes share its open files and counts
     dom: S.Domain = job["domain"]
     unit: Unit = job["unit"]
     out = Path(job["dir"]) / "units"
@@ -95,11 +97,19 @@ def encode_unit(job: dict) -> dict:
     blen = None
     with open(tmp_tok, "wb") as ftok, open(tmp_doc, "wb") as fdoc:
         texts: list[str] = []
+        spans: list[tuple] = []  # a conversation's assistant characters (chat domains)
         meta: list[tuple[int, int, int, int]] = []  # (bytes, hash, row, file)
         chars = 0
+        fmask = open(out / f".{name}.msk", "wb") if dom.chat is not None else None
 
         def flush():
-            ids, lengths = T.encode(tok, texts)
+            if fmask is None:
+                ids, lengths = T.encode(tok, texts)
+            else:  # with offsets: each token's mask, 1 where it starts in an assistant's turn
+                encs = tok.tokenizer.encode_batch(texts, add_special_tokens=False)
+                ids, lengths = T.flatten(tok, encs)
+                loss_mask(tok, encs, spans).tofile(fmask)
+                spans.clear()
             ids.astype(dtype, copy=False).tofile(ftok)
             rec = np.empty(len(texts), DOC)
             m = np.asarray(meta, np.uint64).reshape(-1, 4)
@@ -138,6 +148,7 @@ def encode_unit(job: dict) -> dict:
                 for piece in S.pieces(doc, S.MAX_PIECE_CHARS):
                     text = piece.text
                     texts.append(text)
+                    spans.append(piece.spans)
                     meta.append((len(text) if text.isascii() else len(text.encode("utf-8")),
                                  S.doc_hash(dom.name, piece.doc_id), piece.row, fi))  # fmt: skip
                     chars += len(text)
@@ -146,6 +157,9 @@ def encode_unit(job: dict) -> dict:
                         chars = 0
         if texts:
             flush()
+        if fmask is not None:
+            fmask.close()
+            os.replace(out / f".{name}.msk", out / f"{name}.msk")
     os.replace(tmp_tok, out / f"{name}.tok")
     os.replace(tmp_doc, out / f"{name}.doc")
     stats.update(
@@ -159,6 +173,20 @@ def encode_unit(job: dict) -> dict:
     tmp.write_text(json.dumps(stats))
     os.replace(tmp, out / f"{name}.json")  # last: the unit is finished
     return stats
+
+
+def loss_mask(tok: T.Tok, encodings, spans: list[tuple]) -> np.ndarray:
+    """Each token's loss mask (uint8), laid out as ``T.encode`` lays out the documents ([bos] + ids +
+    [eos]): 1 for a token that starts inside one of its document's ``spans`` (the assistant's turns),
+    0 for every other token, the bos and the eos."""
+    parts = []
+    for enc, doc_spans in zip(encodings, spans, strict=True):
+        starts = np.fromiter((a for a, _ in enc.offsets), np.int64, len(enc.offsets))
+        m = np.zeros(len(starts), bool)
+        for a, b in doc_spans:
+            m |= (starts >= a) & (starts < b)
+        parts += [np.zeros(int(bool(tok.add_bos)), np.uint8), m.astype(np.uint8), np.zeros(1, np.uint8)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 class Local:

@@ -39,6 +39,7 @@ class Domain:
     shards: tuple[Shard, ...]
     text_field: str = "text"
     left_out: tuple[str, ...] = ()  # files of its folders that are not read (a README beside parquet shards)
+    chat: object = None  # text_field "messages": the ChatTemplate its conversations are rendered with
 
 
 def is_url(path: str) -> bool:

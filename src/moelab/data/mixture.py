@@ -129,7 +129,8 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
 
 def batch_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int):
     """Batch ``step``: tokens [rows, length + 1] int32 and each row's domain index [rows]: ``batch_size``
-    rows of ``seq_len``, or the same tokens in rows of the step's phase length (``Mixture.shape_at``)."""
+    rows of ``seq_len``, or the same tokens in rows of the step's phase length (``Mixture.shape_at``).
+    From a store of conversations, a token that does not count in the loss is given as ``-id - 1``."""
     return batch_rows(store, mix, seed, step, batch_size, seq_len)
 
 
@@ -148,12 +149,15 @@ def batch_rows(
     mine_d, mine_k = domain_idx[lo:hi], k[lo:hi]
     for di in np.unique(mine_d):
         name = mix.domains[di]
-        stream = store.stream(name, "train")
+        stream, mask = store.stream(name, "train"), store.mask(name, "train")
         n_windows = (len(stream) - 1) // length
         rows_of = np.flatnonzero(mine_d == di)
         starts = window_of(seed, name, mine_k[rows_of], n_windows) * length
         for r, start in zip(rows_of, starts.tolist(), strict=True):
             out[r] = stream[start : start + length + 1]
+            if mask is not None:  # conversations: a token outside the loss as -id - 1 (train.step.split_masked)
+                keep = mask[start : start + length + 1].astype(bool)
+                out[r] = np.where(keep, out[r], -out[r] - 1)
     return out, domain_idx
 
 

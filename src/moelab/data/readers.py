@@ -1,5 +1,7 @@
 """Reading one shard by its format, as a stream of documents: text, JSON lines, Parquet and Arrow,
-each through its decompressor (gzip, zstd, bz2, xz).
+each through its decompressor (gzip, zstd, bz2, xz). A domain whose text field is ``messages`` holds
+conversations (``moelab.data.chat``): each is rendered by the domain's chat template, and its
+document carries the assistant's characters.
 
 Nothing is read whole: text past ``STREAM_BYTES`` is decoded in chunks and cut into pieces of at most
 ``MAX_PIECE_CHARS`` (the pieces ``sources.pieces`` cuts), JSON lines go line by line, Parquet by row
@@ -19,8 +21,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from moelab.data.chat import problem
 from moelab.data.files import Domain, Shard, is_url, open_raw
-from moelab.errors import DataError
+from moelab.errors import DataError, UsageError
 
 MAX_PIECE_CHARS = 1 << 20  # a longer document is cut into pieces after a newline
 STREAM_BYTES = 16 << 20  # a text file larger than this is read, decoded and cut as a stream, never whole
@@ -32,6 +35,7 @@ class Document:
     doc_id: str  # stable within its domain: relative path, path#piece, path:line or path#row
     text: str
     row: int = 0  # the record's number in its shard (a line, a row, a piece)
+    spans: tuple = ()  # a conversation's assistant characters, [start, end) pairs: its loss mask
 
 
 @dataclass
@@ -205,6 +209,12 @@ def read_jsonl(domain: Domain, shard: Shard, bad: Bad) -> Iterator[Document]:
             if not isinstance(obj, dict) or f not in obj:
                 bad.record(shard, where, f"no {f!r} field (set data.text_field)")
                 continue
+            if domain.chat is not None:
+                if (
+                    doc := conversation(domain, shard, bad, where, obj[f], f"{shard.rel}:{lineno}", lineno)
+                ) is not None:
+                    yield doc
+                continue
             text = obj[f]
             if text is None:
                 continue
@@ -217,6 +227,24 @@ def read_jsonl(domain: Domain, shard: Shard, bad: Bad) -> Iterator[Document]:
                 bad.record(shard, where, f"field {f!r} holds a lone surrogate, not text")
                 continue
             yield Document(domain.name, f"{shard.rel}:{lineno}", text, lineno)
+
+
+def conversation(domain: Domain, shard: Shard, bad: Bad, where: str, messages, doc_id: str, row: int):
+    """A record's conversation rendered by the domain's chat template, with the assistant's characters
+    (``Document.spans``); None, through ``bad``, for one that is not a conversation or that the template
+    refuses."""
+    if (why := problem(messages)) is not None:
+        bad.record(shard, where, why)
+        return None
+    try:
+        text, spans = domain.chat.assistant_spans(messages)
+    except UsageError as exc:
+        bad.record(shard, where, str(exc))
+        return None
+    if len(text) > MAX_PIECE_CHARS:
+        bad.record(shard, where, f"a conversation of {len(text)} characters, over {MAX_PIECE_CHARS}: split it")
+        return None
+    return Document(domain.name, doc_id, text, row, tuple(spans))
 
 
 def _local_copy(shard: Shard, tmp_dir: str | None):
@@ -251,6 +279,15 @@ def _batch_rows(domain: Domain, shard: Shard, bad: Bad, batches, index: int) -> 
     row = 0
     try:
         for batch in batches:
+            if domain.chat is not None:  # a column of conversations: lists of {"role", "content"}
+                for messages in batch.column(index).to_pylist():
+                    where = f"{shard.path}#row {row}"
+                    if (
+                        doc := conversation(domain, shard, bad, where, messages, f"{shard.rel}#{row}", row)
+                    ) is not None:
+                        yield doc
+                    row += 1
+                continue
             for text in _text_column(batch.column(index), shard, domain.text_field).to_pylist():
                 if text is not None:
                     yield Document(domain.name, f"{shard.rel}#{row}", text, row)

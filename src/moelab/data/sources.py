@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moelab.cache import cache_root  # noqa: F401 - the store's folder is under it
+from moelab.data.chat import ChatTemplate
 from moelab.data.files import CODECS, RECORD_SUFFIXES, Domain, Shard, clear_listings, exists, expand, glob_base
 from moelab.data.readers import (  # noqa: F401 - the readers' names, importable from here
     MAX_PIECE_CHARS,
@@ -54,6 +55,8 @@ from moelab.data.readers import (  # noqa: F401 - the readers' names, importable
     read_text,
 )
 from moelab.errors import DataError  # noqa: F401 - raised here, importable from here
+
+CHAT_FIELD = "messages"  # data.text_field naming conversations (moelab.data.chat)
 
 STDLIB_DOMAINS = ("stdlib-code", "stdlib-tests", "stdlib-docs")
 CHEADERS_DOMAINS = ("cheaders-libc", "cheaders-linux", "cheaders-cxx")
@@ -104,9 +107,12 @@ def resolve(
     text_field: str | dict = "text",
     kind: str = "data.sources",
     other_domains: tuple[str, ...] | None = (),
+    chat_tokenizer: str = "",
 ) -> list[Domain]:
     """Every domain with its shards, in order; every path checked now (a missing file, an empty glob,
-    a folder with nothing to read: one line each). Domain names are unique."""
+    a folder with nothing to read: one line each). Domain names are unique. A domain whose text field
+    is CHAT_FIELD holds conversations, rendered by the chat template of ``chat_tokenizer`` (the
+    run's data.tokenizer; "": moelab's own)."""
     if isinstance(sources, str):
         sources = (sources,)
     clear_listings()  # remote details are as fresh as this resolve's listings
@@ -158,7 +164,8 @@ def resolve(
         # equal names from two entries (two dumps' 000_00000.parquet) stay apart: the entry's number first
         shards = [Shard(s.path, f"{k}:{s.rel}", *astuple_rest(s)) if s.rel in twice else s for k, s in shards]
         field_ = text_field.get(name, "text") if isinstance(text_field, dict) else text_field
-        out.append(Domain(name, domains[name]["spec"], tuple(shards), field_, tuple(domains[name]["left"])))
+        chat = ChatTemplate.for_tokenizer(chat_tokenizer) if field_ == CHAT_FIELD else None
+        out.append(Domain(name, domains[name]["spec"], tuple(shards), field_, tuple(domains[name]["left"]), chat))
     if other_domains is not None:  # None: the caller checks (training and validation share text_field)
         check_text_field(text_field, [*order, *other_domains])
     return out

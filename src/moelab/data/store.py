@@ -46,6 +46,7 @@ import numpy as np
 from moelab.config import DataConfig
 from moelab.data import sources as S
 from moelab.data import tokenizer as T
+from moelab.data.chat import SPECIAL_TOKENS
 from moelab.data.encode import (  # noqa: F401 - the batch sizes, importable from here
     DOC,
     ENCODE_BATCH_CHARS,
@@ -154,7 +155,9 @@ def _run_units(units, domains, build: Path, tok_dir: Path, dtype, cfg: DataConfi
                 if capped(u.domain):
                     continue
                 dom = domains[u.domain]  # only the unit's own shards travel with its job
-                part = S.Domain(dom.name, dom.spec, tuple(dom.shards[i] for i in u.shards), dom.text_field)
+                part = S.Domain(
+                    dom.name, dom.spec, tuple(dom.shards[i] for i in u.shards), dom.text_field, chat=dom.chat
+                )
                 job = {"domain": part, "unit": Unit(u.index, u.domain, tuple(range(len(u.shards))), u.size),
                        "dir": str(build), "tokenizer": str(tok_dir), "dtype": np.dtype(dtype).name,
                        "skip": cfg.bad_records == "skip"}  # fmt: skip
@@ -216,6 +219,7 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
     """Write tokens.bin and documents.bin in order; return the spans and statistics. Streams: a
     domain's documents are read in chunks twice (to count what hashing holds out, then to write),
     its held-out tokens and index rows go to side files appended after its training ones."""
+    # long (102 lines): the two passes over a domain's documents write its tokens, loss mask, index rows and held-out side files in step; apart, they would pass a dozen open files and counters
     f = cfg.held_out_fraction
     cap = cfg.max_bytes_per_domain
     spans, stats, bads, left = {}, {}, {}, {}
@@ -225,6 +229,10 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
     for u in units:
         if u.index in done:  # a unit past the byte cap was never tokenized
             by_domain.setdefault(u.domain, []).append(u)
+    # conversations' loss masks (moelab.data.encode.loss_mask): mask.bin beside tokens.bin, one byte per
+    # token, 1 where a token counts in the loss (every token of a domain that is not conversations)
+    masked = any((build / "units" / f"{i:06d}.msk").exists() for i in done)
+    mout = open(tmp / "mask.bin", "wb") if masked else None  # noqa: SIM115 - closed below
     with open(tmp / "tokens.bin", "wb") as out, open(tmp / "documents.bin", "wb") as index:
         for di, dom in enumerate(domains):
             validation = di >= n_train
@@ -242,6 +250,8 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
             side_off = first = 0
             held_docs = tok_held = bytes_held = bytes_all = 0
             side_tok, side_idx = tmp / f".heldout-{di}.bin", tmp / f".heldout-{di}.idx"
+            side_msk = tmp / f".heldout-{di}.msk"
+            mside = open(side_msk, "wb") if masked else None  # noqa: SIM115 - closed below
             with open(side_tok, "wb") as side, open(side_idx, "wb") as side_index:
                 for u, lo, docs in _kept(build, mine, cap):  # pass 2: write
                     if validation:
@@ -253,6 +263,12 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                     path = build / "units" / f"{u.index:06d}.tok"
                     n_tok = path.stat().st_size // itemsize
                     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, dtype)
+                    mpath = path.with_suffix(".msk")
+                    mask = (
+                        np.memmap(mpath, np.uint8, mode="r", shape=(n_tok,))
+                        if masked and mpath.exists() and n_tok
+                        else None
+                    )
                     if lo == 0:  # a unit's first chunk: its tokens start at the top of its file
                         first = 0
                     starts = first + np.concatenate([[0], np.cumsum(docs["tokens"], dtype=np.int64)])
@@ -266,6 +282,9 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                         if a == b:
                             continue
                         chunk = np.ascontiguousarray(tokens[starts[a] : starts[b]])
+                        if masked:
+                            mchunk = np.ones(len(chunk), np.uint8) if mask is None else mask[starts[a] : starts[b]]
+                            (mside if held[a] else mout).write(np.ascontiguousarray(mchunk).tobytes())
                         if held[a]:
                             rows["start"][a:b] = side_off + (starts[a:b] - starts[a])
                             side_off += len(chunk)
@@ -280,8 +299,13 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                     tok_held += int(docs["tokens"][held].sum())
                     bytes_held += int(docs["bytes"][held].sum())
                     bytes_all += int(docs["bytes"].sum())
-                    del tokens
+                    del tokens, mask
             train_end = offset
+            if masked:
+                mside.close()
+                with open(side_msk, "rb") as fh:
+                    shutil.copyfileobj(fh, mout, 16 << 20)
+                side_msk.unlink()
             _append_held(out, index, side_tok, side_idx, train_end)
             offset += side_off
             split = "position" if by_position else "validation" if validation else "hash"
@@ -290,7 +314,10 @@ def _assemble(units, domains: list[S.Domain], n_train: int, done: dict, build: P
                 f, split, domain_start, train_end, offset, n_docs, held_counts
             )
     assert (tmp / "tokens.bin").stat().st_size == offset * itemsize
-    return {"spans": spans, "stats": stats, "bad": bads, "left_out": left, "n_tokens": int(offset)}
+    if masked:
+        mout.close()
+        assert (tmp / "mask.bin").stat().st_size == offset
+    return {"spans": spans, "stats": stats, "bad": bads, "left_out": left, "n_tokens": int(offset), "mask": masked}
 
 
 def _held_by_hash(build: Path, units: list[Unit], cap: int, f: float) -> tuple[int, int]:
@@ -402,12 +429,12 @@ def _tokenizer_texts(domains: list[S.Domain], cfg: DataConfig, bad: S.Bad):
 
 def resolve_all(cfg: DataConfig) -> tuple[list[S.Domain], list[S.Domain]]:
     # data.text_field names training and validation domains alike: checked against both together
-    domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field, other_domains=None)
-    vdomains = (
-        S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation", other_domains=None)
-        if cfg.validation
-        else []
-    )
+    domains = S.resolve(cfg.sources, cfg.include, cfg.exclude, cfg.text_field, other_domains=None,
+                        chat_tokenizer=cfg.tokenizer)  # fmt: skip
+    vdomains = []
+    if cfg.validation:
+        vdomains = S.resolve(cfg.validation, cfg.include, cfg.exclude, cfg.text_field, kind="data.validation",
+                             other_domains=None, chat_tokenizer=cfg.tokenizer)  # fmt: skip
     S.check_text_field(cfg.text_field, [d.name for d in [*domains, *vdomains]])
     clash = {d.name for d in domains} & {d.name for d in vdomains}
     if clash:
@@ -461,30 +488,39 @@ def build_store(cfg: DataConfig, vocab_size: int, cache: Path | None = None, pro
         return store
 
 
+def _tokenizer(cfg, vocab_size, domains, all_domains, tok_dir: Path, build: Path, progress, tokenizer_dir):
+    """The store's tokenizer, saved in ``tok_dir`` (kept from an interrupted build): another store's,
+    data.tokenizer, or a BPE trained on the training documents (with a chat template's markers where
+    the domains hold conversations rendered by moelab's own)."""
+    if (tok_dir / "tokenizer_moelab.json").exists():
+        return T.load_saved(tok_dir)
+    if tokenizer_dir is not None:
+        tok = T.load_saved(tokenizer_dir)
+    elif cfg.tokenizer:
+        tok = T.load(cfg.tokenizer, vocab_size)
+        say(f"tokenizer {cfg.tokenizer}: {tok.origin}", progress)
+    else:
+        say(
+            f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the "
+            "training documents",
+            progress,
+        )
+        chat = any(d.chat is not None and d.chat.origin == "moelab" for d in all_domains)
+        tok = T.train(_tokenizer_texts(domains, cfg, S.Bad(skip=cfg.bad_records == "skip")), vocab_size,
+                      SPECIAL_TOKENS if chat else ())  # fmt: skip
+    staging = build / ".tokenizer"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    T.save(tok, staging)
+    os.replace(staging, tok_dir)
+    return tok
+
+
 def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, final: Path, progress, tokenizer_dir):
     t0 = time.time()
     all_domains = domains + vdomains
     tok_dir = build / "tokenizer"
-    if (tok_dir / "tokenizer_moelab.json").exists():
-        tok = T.load_saved(tok_dir)
-    else:
-        if tokenizer_dir is not None:
-            tok = T.load_saved(tokenizer_dir)
-        elif cfg.tokenizer:
-            tok = T.load(cfg.tokenizer, vocab_size)
-            say(f"tokenizer {cfg.tokenizer}: {tok.origin}", progress)
-        else:
-            say(
-                f"training a {vocab_size}-token byte-level BPE tokenizer on up to {TOKENIZER_CHARS >> 20} MB of the "
-                "training documents",
-                progress,
-            )
-            tok = T.train(_tokenizer_texts(domains, cfg, S.Bad(skip=cfg.bad_records == "skip")), vocab_size)
-        staging = build / ".tokenizer"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        T.save(tok, staging)
-        os.replace(staging, tok_dir)
+    tok = _tokenizer(cfg, vocab_size, domains, all_domains, tok_dir, build, progress, tokenizer_dir)
     (build / "units").mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     units = plan_units(all_domains)
@@ -529,6 +565,9 @@ def _build(cfg, vocab_size, domains, vdomains, key, build: Path, tmp: Path, fina
         "bos": tok.bos if tok.add_bos else None,
         "held_out_fraction": cfg.held_out_fraction,
     }
+    if parts["mask"]:  # conversations: which tokens count in the loss (mask.bin)
+        manifest["mask"] = True
+        manifest["chat_template"] = next(d.chat.origin for d in all_domains if d.chat is not None)
     (tmp / "build.json").write_text(json.dumps({"seconds": round(time.time() - t0, 2), "workers": cfg.workers,
                                                  "backend": cfg.backend}))  # fmt: skip
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))  # last: marks the store complete

@@ -237,8 +237,9 @@ def load(spec, vocab_size: int) -> Tok:
     return Tok(tokenizer, eos, bos, pad, add_bos, added_eot, f"{tj}: " + "; ".join(said))
 
 
-def train(texts, vocab_size: int) -> Tok:
-    """A byte-level BPE with ``EOT`` as token 0; every byte is in its alphabet, so nothing is unknown."""
+def train(texts, vocab_size: int, special: tuple[str, ...] = ()) -> Tok:
+    """A byte-level BPE with ``EOT`` as token 0 and the ``special`` tokens after it (a chat template's
+    markers, added once: each one token); every byte is in its alphabet, so nothing is unknown."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -246,13 +247,16 @@ def train(texts, vocab_size: int) -> Tok:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOT],
+        special_tokens=[EOT, *special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     eos = tokenizer.token_to_id(EOT)
-    return Tok(tokenizer, eos, None, None, False, False, f"byte-level BPE trained here: eos {EOT!r} ({eos}); no bos")
+    extra = f"; special {', '.join(special)}" if special else ""
+    return Tok(
+        tokenizer, eos, None, None, False, False, f"byte-level BPE trained here: eos {EOT!r} ({eos}); no bos{extra}"
+    )
 
 
 def save(tok: Tok, folder) -> None:
@@ -315,7 +319,7 @@ def encode(tok: Tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     One batched call to the tokenizer (threaded in Rust), then each document's list of ids copied
     into its slice of one array allocated once (as fast as ``np.fromiter`` over a chain of the lists,
     ``np.array`` of one flat list or ``np.concatenate`` of per-document arrays, and simpler)."""
-    return _flatten(tok, tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    return flatten(tok, tok.tokenizer.encode_batch_fast(texts, add_special_tokens=False))
 
 
 def encode_batches(tok: Tok, batches: Iterable[tuple[K, list[str]]]) -> Iterator[tuple[K, np.ndarray, np.ndarray]]:
@@ -333,13 +337,13 @@ def encode_batches(tok: Tok, batches: Iterable[tuple[K, list[str]]]) -> Iterator
         for key, texts in batches:
             submitted = (key, pool.submit(run, texts))
             if pending is not None:
-                yield pending[0], *_flatten(tok, pending[1].result())
+                yield pending[0], *flatten(tok, pending[1].result())
             pending = submitted
         if pending is not None:
-            yield pending[0], *_flatten(tok, pending[1].result())
+            yield pending[0], *flatten(tok, pending[1].result())
 
 
-def _flatten(tok: Tok, encodings) -> tuple[np.ndarray, np.ndarray]:
+def flatten(tok: Tok, encodings) -> tuple[np.ndarray, np.ndarray]:
     ids = [e.ids for e in encodings]
     add_bos = bool(tok.add_bos)
     counts = np.fromiter(map(len, ids), np.int64, len(ids))

@@ -2,8 +2,9 @@
 
 A store's folder (``store-<key>`` under the cache, built by ``moelab.data.store.build_store``) holds
 ``tokens.bin`` (every domain's training then held-out tokens, documents joined by EOT),
-``documents.bin`` (one ``INDEX`` row per document), ``byte_lengths.npy``, the tokenizer, and
-``manifest.json``, written last.
+``documents.bin`` (one ``INDEX`` row per document), ``byte_lengths.npy``, the tokenizer, a store of
+conversations ``mask.bin`` (one byte per token: 1 where it counts in the loss), and ``manifest.json``,
+written last.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ class TokenStore:
         """A domain's training or held-out tokens, documents joined by EOT. split: train | heldout."""
         start, end = self.manifest["spans"][domain][split]
         return self.tokens[start:end]
+
+    def mask(self, domain: str, split: str) -> np.ndarray | None:
+        """A store of conversations: which of the stream's tokens count in the loss (uint8, 1 = the
+        assistant's), aligned with ``stream``; None for a store without conversations."""
+        if not self.manifest.get("mask"):
+            return None
+        start, end = self.manifest["spans"][domain][split]
+        n = self.manifest["n_tokens"]
+        return np.memmap(self.path / "mask.bin", dtype=np.uint8, mode="r", shape=(n,))[start:end]
 
     def documents(self) -> np.ndarray:
         """Every document: domain index (into domains + validation), split, unit, file, row, start,

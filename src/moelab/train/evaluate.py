@@ -40,12 +40,17 @@ def eval_windows(
         row[: len(stream)] = stream
         mask = np.zeros(seq_len, np.float32)
         mask[: len(stream) - 1] = 1.0
+        if (counts := store.mask(domain, "heldout")) is not None:
+            mask[: len(stream) - 1] *= counts[1:]
         return row[None], mask[None]
     stride = n_all // n
     if not 0 <= offset < stride:
         raise ValueError(f"{domain}: offset {offset} outside the {stride} disjoint window sets")
     starts = (np.arange(n) * stride + offset) * seq_len
     rows = np.stack([stream[i : i + seq_len + 1] for i in starts])
+    mask = store.mask(domain, "heldout")
+    if mask is not None:  # conversations: the assistant's tokens only
+        return rows, np.stack([mask[i + 1 : i + seq_len + 1] for i in starts]).astype(np.float32)
     return rows, np.ones((n, seq_len), np.float32)
 
 

@@ -143,8 +143,14 @@ class RunState:
             got = self.by_len[length] = {
                 "cfg": pcfg,
                 "step": make_train_step(
-                    pcfg, self.opt, self.h, self.shardings, mesh=self.mesh, faults=self.injection is not None
-                ),
+                    pcfg,
+                    self.opt,
+                    self.h,
+                    self.shardings,
+                    mesh=self.mesh,
+                    faults=self.injection is not None,
+                    masked=bool(self.store.manifest.get("mask")),
+                ),  # fmt: skip
                 "evaluator": None,
                 "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
             }

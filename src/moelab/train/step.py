@@ -90,6 +90,15 @@ def offload_state(state: dict, cfg: Config) -> dict:
     return dict(state, opt_state=host)
 
 
+def split_masked(batch: jax.Array, masked: bool):
+    """(inputs, targets, loss mask or None) of a batch [rows, length + 1]; with ``masked``, the tokens
+    given as ``-id - 1`` read as ``id`` and left out of the loss as targets."""
+    if not masked:
+        return batch[:, :-1], batch[:, 1:], None
+    ids = jnp.where(batch < 0, -batch - 1, batch)
+    return ids[:, :-1], ids[:, 1:], batch[:, 1:] >= 0
+
+
 def make_train_step(
     cfg: Config,
     opt: optax.GradientTransformation,
@@ -99,8 +108,13 @@ def make_train_step(
     mesh=None,
     fsdp: bool | None = None,
     faults: bool = False,
+    masked: bool = False,
 ):
     """The jitted train step ``(state, batch, data_step) -> (state, metrics)``.
+
+    ``masked``: the batches come from a store of conversations (moelab.data.mixture.batch_rows): a
+    token that does not count in the loss is given as ``-id - 1``; the model reads ``id``, and the loss
+    averages over the targets that count (``split_masked``).
 
     ``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
     gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
@@ -135,8 +149,9 @@ def make_train_step(
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def micro(acc, mb):
+            inputs, targets, mask = split_masked(mb, masked)
             (_, (met, _)), g = grad_fn(
-                state["params"], state["model_state"], mb[:, :-1], mb[:, 1:], m,
+                state["params"], state["model_state"], inputs, targets, m, mask=mask,
                 logit_z_scale=logit_z_scale, runtime=micro_runtime,
             )  # fmt: skip
             acc = hold(jax.tree.map(jnp.add, acc, hold(g, grad_shardings)), grad_shardings)
@@ -169,8 +184,9 @@ def make_train_step(
         lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n_micro == 1:
+            inputs, targets, mask = split_masked(batch, masked)
             (loss, (metrics, new_model_state)), grads = grad_fn(
-                state["params"], state["model_state"], batch[:, :-1], batch[:, 1:], m,
+                state["params"], state["model_state"], inputs, targets, m, mask=mask,
                 logit_z_scale=f["logit_z_scale"], runtime=runtime,
             )  # fmt: skip
         else:

@@ -1,0 +1,129 @@
+"""Conversations as training data (data.text_field: messages): the store keeps a loss mask that covers
+exactly the assistant's tokens, batches carry it, the step's loss and the held-out loss count only
+those tokens, and a bad conversation is refused naming file:line or skipped and counted."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import MICRO
+from moelab.config import load_config
+from moelab.data.mixture import batch_at, build_mixture
+from moelab.data.store import build_store
+from moelab.errors import DataError
+from moelab.model.transformer import forward, logits_of
+from moelab.train import optim
+from moelab.train.evaluate import eval_windows
+from moelab.train.step import init_train_state, make_train_step
+
+TWO_TURNS = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "And 10 + 20?"},
+    {"role": "assistant", "content": "It is 30."},
+]
+
+
+def _chat_file(tmp_path, bad_line=None):
+    rng = np.random.default_rng(0)
+    rows = [{"messages": TWO_TURNS}]
+    for _ in range(200):
+        a, b = (int(x) for x in rng.integers(0, 100, 2))
+        rows.append({"messages": [{"role": "user", "content": f"{a} + {b}?"},
+                                  {"role": "assistant", "content": f"{a + b}"}]})  # fmt: skip
+    lines = [json.dumps(r) for r in rows]
+    if bad_line is not None:
+        lines.insert(3, bad_line)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(path, *more):
+    sets = [*MICRO, f"data.sources=[{path}]", "data.text_field=messages", "model.seq_len=32", "train.steps=4", *more]
+    return load_config("tiny", sets)
+
+
+def test_the_loss_mask_covers_exactly_the_assistant_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
+    cfg = _config(_chat_file(tmp_path), "data.held_out_fraction=0.0")
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+    tok = store.tokenizer()
+    ids, mask = np.asarray(store.stream("chat", "train")), np.asarray(store.mask("chat", "train"))
+    first = ids[: int(np.flatnonzero(ids == store.eot)[0]) + 1]  # the two-turn conversation, with its eot
+    m = mask[: len(first)].astype(bool)
+
+    def text(sel):
+        return tok.decode(first[sel].tolist(), skip_special_tokens=False)
+
+    # by hand: the assistant's words and the marker that ends each of its turns, nothing else
+    assert text(m) == "5<|im_end|>\nIt is 30.<|im_end|>\n"
+    assert text(~m) == (
+        "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\n2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nAnd 10 + 20?<|im_end|>\n<|im_start|>assistant\n<|endoftext|>"
+    )
+    # the template's markers were added to the tokenizer once, as one token each
+    assert [tok.encode(x, add_special_tokens=False).ids for x in ("<|im_start|>", "<|im_end|>")] == [[1], [2]]
+    # the runs of the mask: two assistant turns
+    assert np.count_nonzero(np.diff(m.astype(int)) == 1) == 2
+
+
+def test_batches_carry_the_mask_and_the_loss_counts_only_the_assistant(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
+    cfg = _config(_chat_file(tmp_path))
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+    mix = build_mixture(cfg, store, cfg.train.steps, cfg.train.seed)
+    batch, _ = batch_at(store, mix, cfg.train.seed, 0, cfg.train.batch_size, cfg.model.seq_len)
+    ids = np.where(batch < 0, -batch - 1, batch)
+    stream, mask = np.asarray(store.stream("chat", "train")), np.asarray(store.mask("chat", "train"))
+    for row, signs in zip(ids, batch >= 0, strict=True):  # each row is a window of the stream, its signs the mask
+        at = next(i for i in range(len(stream) - len(row) + 1) if (stream[i : i + len(row)] == row).all())
+        assert (signs == mask[at : at + len(row)].astype(bool)).all()
+    assert 0 < (batch[:, 1:] >= 0).mean() < 1
+
+    # the step's cross-entropy against a reference: the mean over the assistant's targets of the full
+    # softmax's negative log-likelihood
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    step = make_train_step(cfg, opt, h, masked=True)
+    hidden = forward(state["params"], state["model_state"], jnp.asarray(ids[:, :-1]), cfg.model, cfg.model.dispatch)[0]
+    logp = jax.nn.log_softmax(logits_of(state["params"], hidden).astype(jnp.float32), axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), ids[:, 1:, None], axis=-1)[..., 0]
+    counted = batch[:, 1:] >= 0
+    _, got = step(jax.tree.map(jnp.copy, state), jnp.asarray(batch), jnp.int32(0))  # the step donates its state
+    assert float(got["ce"]) == pytest.approx(float(nll[counted].mean()), rel=1e-5)
+    # a target outside the loss changes nothing: other ids there (in the last column, a target and never an
+    # input), the same cross-entropy; the same ids counted, another
+    last = batch[:, -1] < 0
+    assert last.any()
+    other = batch.copy()
+    other[last, -1] = -((ids[last, -1] + 7) % cfg.model.vocab_size) - 1
+    _, again = step(jax.tree.map(jnp.copy, state), jnp.asarray(other), jnp.int32(0))
+    assert float(again["ce"]) == float(got["ce"])
+    other[last, -1] = -other[last, -1] - 1  # now counted
+    _, counted_too = step(jax.tree.map(jnp.copy, state), jnp.asarray(other), jnp.int32(0))
+    assert float(counted_too["ce"]) != float(got["ce"])
+
+    # the held-out loss: the assistant's targets only
+    rows, weights = eval_windows(store, "chat", cfg.model.seq_len, 256)
+    held = np.asarray(store.mask("chat", "heldout"))
+    start = np.flatnonzero(
+        [(np.asarray(store.stream("chat", "heldout"))[i : i + rows.shape[1]] == rows[0]).all() for i in range(3)]
+    )[0]
+    assert (weights[0] == held[start + 1 : start + rows.shape[1]]).all() and 0 < weights.mean() < 1
+
+
+def test_a_bad_conversation_is_refused_naming_file_and_line_or_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
+    path = _chat_file(tmp_path, bad_line=json.dumps({"messages": [{"role": "robot", "content": "beep"}]}))
+    with pytest.raises(DataError, match=rf"{path}:4: message 0 has an unknown role 'robot'"):
+        build_store(_config(path).data, 512, progress=False)
+    store = build_store(_config(path, "data.bad_records=skip").data, 512, progress=False)
+    assert store.manifest["bad_records"]["chat"]["chat.jsonl"]["records"] == 1
