@@ -16,6 +16,7 @@ from moelab.config import load_config
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
 from moelab.errors import DataError
+from moelab.model.layers import document_segments
 from moelab.model.transformer import forward, logits_of
 from moelab.train import optim
 from moelab.train.evaluate import eval_windows
@@ -92,8 +93,10 @@ def test_batches_carry_the_mask_and_the_loss_counts_only_the_assistant(tmp_path,
     h = optim.hyper(cfg)
     opt = optim.make_optimizer(cfg, h)
     state = init_train_state(cfg, opt)
-    step = make_train_step(cfg, opt, h, masked=True)
-    hidden = forward(state["params"], state["model_state"], jnp.asarray(ids[:, :-1]), cfg.model, cfg.model.dispatch)[0]
+    step = make_train_step(cfg, opt, h, masked=True, eot=store.eot)
+    segments = document_segments(jnp.asarray(ids[:, :-1]), store.eot)  # each conversation within itself
+    hidden = forward(state["params"], state["model_state"], jnp.asarray(ids[:, :-1]), cfg.model, cfg.model.dispatch,
+                     segments=segments)[0]  # fmt: skip
     logp = jax.nn.log_softmax(logits_of(state["params"], hidden).astype(jnp.float32), axis=-1)
     nll = -np.take_along_axis(np.asarray(logp), ids[:, 1:, None], axis=-1)[..., 0]
     counted = batch[:, 1:] >= 0
@@ -127,3 +130,32 @@ def test_a_bad_conversation_is_refused_naming_file_and_line_or_skipped(tmp_path,
         build_store(_config(path).data, 512, progress=False)
     store = build_store(_config(path, "data.bad_records=skip").data, 512, progress=False)
     assert store.manifest["bad_records"]["chat"]["chat.jsonl"]["records"] == 1
+
+
+@pytest.mark.parametrize("impl", ["blocked", "flash", "xla"])
+def test_packing_never_lets_a_token_attend_across_a_document_boundary(impl):
+    """Three documents packed in a row, each ended by the end of text: every position of each has the
+    hidden state of that document run alone (dropless: a token's experts are its own), past the
+    sliding window included; without segments the later documents differ."""
+    eot = 0
+    base = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, n_kv_heads_local=2, vocab_size=64, seq_len=48,
+                sliding_window=6, global_every=2, n_routed=4, top_k=2, expert_dim=16, shared_dim=16,
+                attention_impl=impl)  # fmt: skip
+    m = load_config({"model": base}).model
+    from moelab.model import init_params, init_state
+
+    params, state = init_params(m, jax.random.PRNGKey(0)), init_state(m)
+    rng = np.random.default_rng(1)
+    docs = [list(rng.integers(1, 64, n)) for n in (9, 17, 12)]
+    row = [t for d in docs for t in (*d, eot)]
+    tokens = jnp.asarray([row], jnp.int32)
+    run = jax.jit(lambda t, seg: forward(params, state, t, m, "dropless", segments=seg)[0])
+    packed = np.asarray(run(tokens, document_segments(tokens, eot)))[0]
+    plain = np.asarray(run(tokens, None))[0]
+    at = 0
+    for k, d in enumerate(docs):
+        alone = np.asarray(run(jnp.asarray([d], jnp.int32), None))[0]
+        np.testing.assert_allclose(packed[at : at + len(d)], alone, atol=2e-5, rtol=2e-5)
+        if k:  # the unpacked row lets it see the documents before it
+            assert np.abs(plain[at : at + len(d)] - alone).max() > 1e-3
+        at += len(d) + 1

@@ -88,6 +88,19 @@ def attention_mask(seq: int, window: int) -> jax.Array:
     return mask
 
 
+def segment_mask(segments: jax.Array, seq: int, window: int) -> jax.Array:
+    """[b, s, s]: causal (and the window), and within one document: ``segments`` [b, s] numbers each
+    position's document in its row."""
+    return attention_mask(seq, window)[None] & (segments[:, :, None] == segments[:, None, :])
+
+
+def document_segments(tokens: jax.Array, eot: int) -> jax.Array:
+    """[b, s] -> each position's document in its row: the count of end-of-text tokens before it (an
+    end-of-text token belongs to the document it ends)."""
+    ends = (tokens == eot).astype(jnp.int32)
+    return jnp.cumsum(ends, axis=1) - ends
+
+
 def group_kv(w: jax.Array, n_alloc: int, n_used: int) -> jax.Array:
     """A layer that uses fewer kv heads than are allocated averages them in groups. w: [d, n_alloc*hd].
 
@@ -269,6 +282,7 @@ def attention(
     impl: str = "blocked",
     flash_block: int = FLASH_BLOCK,
     fused_qkv: bool = True,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query causal attention with RMS qk-norm and RoPE. x: [b, s, d] -> [b, s, d].
 
@@ -280,6 +294,11 @@ def attention(
     CPU), or ``xla`` / ``cudnn`` through ``jax.nn.dot_product_attention`` (cudnn: the fused flash
     kernel on NVIDIA GPUs). ``fused_qkv``: q, k and v from one matmul on the concatenated weights
     (the same numbers; off under a mesh, where the three weights are sharded on their own).
+
+    ``segments`` [b, s]: each position's document in a packed row; a query sees only keys of its own
+    document (``segment_mask``). RoPE's scores depend on positions only through their difference, so
+    a document attends as it would alone. With segments, ``blocked`` and ``flash`` run the dense
+    reference path (an [s, s] mask per row), ``xla`` and ``cudnn`` take the mask.
     """
     b, s, _ = x.shape
     wq, wk, wv = p["wq"], group_kv(p["wk"], n_kv_alloc, n_kv), group_kv(p["wv"], n_kv_alloc, n_kv)
@@ -297,9 +316,10 @@ def attention(
         "blocked",
         "flash",
     ):  # [b, s, heads, hd] in, grouped kv heads, causal, the window as local_window_size
+        mask = None if segments is None else segment_mask(segments, s, window)[:, None]
         out = jax.nn.dot_product_attention(
-            q, k, v, scale=head_dim**-0.5, is_causal=True, implementation=impl,
-            local_window_size=(window - 1, 0) if window else None,
+            q, k, v, scale=head_dim**-0.5, is_causal=segments is None, implementation=impl, mask=mask,
+            local_window_size=(window - 1, 0) if window and segments is None else None,
         )  # fmt: skip
         return out.reshape(b, s, n_heads * head_dim) @ p["wo"]
     # heads before positions: each (batch, kv head) is a plain matmul, which XLA:CPU runs about
@@ -307,7 +327,12 @@ def attention(
     q = (q * head_dim**-0.5).reshape(b, s, n_kv, g, head_dim).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, hd]
     k = k.transpose(0, 2, 1, 3)  # [b, kv, s, hd]
     v = v.transpose(0, 2, 1, 3)
-    if impl == "flash":
+    if segments is not None:  # packed documents: the dense path, each row with its own mask
+        ok = segment_mask(segments, s, window)[:, None, None]  # [b, 1, 1, s, s]
+        scores = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(jnp.where(ok, scores, -jnp.inf), axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgqs,bksh->bkgqh", probs, v)
+    elif impl == "flash":
         out = flash_attention(q, k, v, window, flash_block)
     else:
         out = _query_chunks(q, k, v, window, query_chunks if query_chunks is not None else auto_query_chunks(s))

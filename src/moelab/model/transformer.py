@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moelab.config import ModelConfig, rope_scaling_of
+from moelab.errors import UsageError
 from moelab.model.layers import attention, rms_norm
 from moelab.model.moe import moe_block
 from moelab.parallel import mesh as pmesh
@@ -131,8 +132,10 @@ def transformer_layer(
     dispatch: str,
     capture: bool,
     runtime: pmesh.Runtime = pmesh.ONE,
+    segments: jax.Array | None = None,
 ):
     """One transformer layer: x [b, s, d] -> (x, this layer's metrics, its router bias for the next step).
+    ``segments``: packed documents, each attending only within itself (``layers.attention``).
 
     Under FSDP the layer's weights are gathered here, inside any rematerialised region: a
     recomputed layer gathers them again rather than keeping every layer's whole weights alive."""
@@ -153,6 +156,7 @@ def transformer_layer(
             eps=m.norm_eps,
             impl=attention_impl(m, x.shape[1]),
             fused_qkv=runtime.expert_mesh is None,
+            segments=segments,
         )
     x = x + a
     h = rms_norm(x, p["mlp_norm"], m.norm_eps)
@@ -190,8 +194,9 @@ def scan_blocks(m: ModelConfig) -> tuple[int, int]:
 
 
 def _scan_layers(
-    params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool, runtime: pmesh.Runtime
-):
+    params: dict, state: dict, x: jax.Array, m: ModelConfig, dispatch: str, capture: bool, runtime: pmesh.Runtime,
+    segments: jax.Array | None = None,
+):  # fmt: skip
     """Layers as a ``lax.scan`` over whole periods of the local/global pattern: the step compiles
     one period whatever the depth. Layers past the last whole period (and all of them when there
     are fewer than two periods, or the pattern is not periodic) are left to the caller, unrolled.
@@ -221,7 +226,8 @@ def _scan_layers(
         metrics, biases = [], []
         for j in range(period):
             p = jax.tree.map(lambda a, j=j: a[j], p_stack)
-            one = functools.partial(transformer_layer, i=j, m=m, dispatch=dispatch, capture=capture, runtime=runtime)
+            one = functools.partial(transformer_layer, i=j, m=m, dispatch=dispatch, capture=capture, runtime=runtime,
+                                    **({} if segments is None else {"segments": segments}))  # fmt: skip
             if m.remat == "each_layer":  # each layer its own checkpoint: one layer's residuals at a time
                 one = _remat_alone(one, offload)
             x, met, bias = one(x, p, bias_stack[j])
@@ -295,8 +301,12 @@ def forward(
     dispatch: str | None = None,
     capture: bool = False,
     runtime: pmesh.Runtime = pmesh.ONE,
+    segments: jax.Array | None = None,
 ):
     """tokens: [b, s] int -> (hidden [b, s, d] after the final norm, per-layer metrics, new state).
+
+    ``segments`` [b, s]: the documents packed in each row (``layers.document_segments``); each attends
+    only within itself.
 
     ``runtime``: the mesh, FSDP and the step's tracing flags (``parallel.mesh.Runtime``; one device by default).
 
@@ -310,13 +320,16 @@ def forward(
     layer_metrics = []
     new_bias = []
     first = 0
+    if segments is not None and m.remat == "each_layer":
+        raise UsageError("packed documents (conversations) and model.remat: each_layer: use remat layer or none")
     if scans(m):
-        x, first, layer_metrics, new_bias = _scan_layers(params, state, x, m, dispatch, capture, runtime)
+        x, first, layer_metrics, new_bias = _scan_layers(params, state, x, m, dispatch, capture, runtime, segments)
     rest = params["layers"] if not first else jax.tree.map(lambda a: a[first:], params["layers"])
     for i, p in enumerate(unstack(rest) if first < m.n_layers else [], start=first):  # unrolled: local and
         one = functools.partial(
-            transformer_layer, i=i, m=m, dispatch=dispatch, capture=capture, runtime=runtime
-        )  # layers differ
+            transformer_layer, i=i, m=m, dispatch=dispatch, capture=capture, runtime=runtime,
+            **({} if segments is None else {"segments": segments}),
+        )  # layers differ  # fmt: skip
         if m.remat != "none":
             one = jax.checkpoint(one)
         x, metrics, bias = one(x, p, state["router_bias"][i])
@@ -382,13 +395,14 @@ def loss_fn(
     train: bool = True,
     logit_z_scale=1.0,
     runtime: pmesh.Runtime = pmesh.ONE,
+    segments: jax.Array | None = None,
 ):
     """Cross-entropy + logit z-loss + router aux and z terms. Returns (loss, (metrics, new_state)).
 
     Router aux and z terms are averaged over layers before their coefficients apply.
     """
     dispatch = m.dispatch if train else (m.eval_dispatch or m.dispatch)
-    hidden, layers, new_state = forward(params, state, inputs, m, dispatch, runtime=runtime)
+    hidden, layers, new_state = forward(params, state, inputs, m, dispatch, runtime=runtime, segments=segments)
     with jax.named_scope("head"):
         lse, target_logit = ce_terms(params, hidden, targets, m.ce_chunk, runtime)
     weight = jnp.ones_like(lse) if mask is None else mask.astype(jnp.float32)

@@ -80,7 +80,7 @@ class Evaluator:
     def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
 
         self.cfg, self.mesh = cfg, mesh
-        self.fn = make_eval_step(cfg, mesh)
+        self.fn = make_eval_step(cfg, mesh, store.eot if store.manifest.get("mask") else None)
         m = cfg.model
         # as trained (the training dispatch, with its drops) and dropless
         self.dispatches = {"_dropless": "dropless"} if dropless_only else {"": m.dispatch, "_dropless": "dropless"}

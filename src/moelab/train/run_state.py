@@ -150,6 +150,7 @@ class RunState:
                     mesh=self.mesh,
                     faults=self.injection is not None,
                     masked=bool(self.store.manifest.get("mask")),
+                    eot=self.store.eot if self.store.manifest.get("mask") else None,
                 ),  # fmt: skip
                 "evaluator": None,
                 "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,

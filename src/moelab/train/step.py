@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from moelab.config import Config
 from moelab.model import init_params, init_state, loss_fn
 from moelab.model import router as rt
+from moelab.model.layers import document_segments
 from moelab.model.transformer import ce_terms, forward, total_loss
 from moelab.parallel import mesh as pmesh
 from moelab.train import optim
@@ -90,13 +91,15 @@ def offload_state(state: dict, cfg: Config) -> dict:
     return dict(state, opt_state=host)
 
 
-def split_masked(batch: jax.Array, masked: bool):
-    """(inputs, targets, loss mask or None) of a batch [rows, length + 1]; with ``masked``, the tokens
-    given as ``-id - 1`` read as ``id`` and left out of the loss as targets."""
+def split_masked(batch: jax.Array, masked: bool, eot: int | None = None):
+    """(inputs, targets, loss mask or None, segments or None) of a batch [rows, length + 1]; with
+    ``masked``, the tokens given as ``-id - 1`` read as ``id`` and left out of the loss as targets, and
+    with ``eot`` the packed documents' segments (each attends only within itself)."""
     if not masked:
-        return batch[:, :-1], batch[:, 1:], None
+        return batch[:, :-1], batch[:, 1:], None, None
     ids = jnp.where(batch < 0, -batch - 1, batch)
-    return ids[:, :-1], ids[:, 1:], batch[:, 1:] >= 0
+    inputs = ids[:, :-1]
+    return inputs, ids[:, 1:], batch[:, 1:] >= 0, None if eot is None else document_segments(inputs, eot)
 
 
 def make_train_step(
@@ -109,12 +112,14 @@ def make_train_step(
     fsdp: bool | None = None,
     faults: bool = False,
     masked: bool = False,
+    eot: int | None = None,
 ):
     """The jitted train step ``(state, batch, data_step) -> (state, metrics)``.
 
     ``masked``: the batches come from a store of conversations (moelab.data.mixture.batch_rows): a
     token that does not count in the loss is given as ``-id - 1``; the model reads ``id``, and the loss
-    averages over the targets that count (``split_masked``).
+    averages over the targets that count (``split_masked``); with ``eot`` (the store's end of text),
+    the documents packed in a row attend each only within itself.
 
     ``shardings``: the state's NamedShardings on a mesh (``parallel.mesh.tree_shardings``): the
     gradients are held to the parameters' (so XLA reduce-scatters them over ``data`` under FSDP
@@ -149,9 +154,9 @@ def make_train_step(
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def micro(acc, mb):
-            inputs, targets, mask = split_masked(mb, masked)
+            inputs, targets, mask, segments = split_masked(mb, masked, eot)
             (_, (met, _)), g = grad_fn(
-                state["params"], state["model_state"], inputs, targets, m, mask=mask,
+                state["params"], state["model_state"], inputs, targets, m, mask=mask, segments=segments,
                 logit_z_scale=logit_z_scale, runtime=micro_runtime,
             )  # fmt: skip
             acc = hold(jax.tree.map(jnp.add, acc, hold(g, grad_shardings)), grad_shardings)
@@ -184,9 +189,9 @@ def make_train_step(
         lr = optim.applied_rate(opt_state)  # what the optimiser will apply, read from its state
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if n_micro == 1:
-            inputs, targets, mask = split_masked(batch, masked)
+            inputs, targets, mask, segments = split_masked(batch, masked, eot)
             (loss, (metrics, new_model_state)), grads = grad_fn(
-                state["params"], state["model_state"], inputs, targets, m, mask=mask,
+                state["params"], state["model_state"], inputs, targets, m, mask=mask, segments=segments,
                 logit_z_scale=f["logit_z_scale"], runtime=runtime,
             )  # fmt: skip
         else:
@@ -232,14 +237,16 @@ def make_train_step(
     return jax.jit(lambda state, batch, data_step: step(state, batch, data_step), donate_argnums=0)
 
 
-def make_eval_step(cfg: Config, mesh=None):
+def make_eval_step(cfg: Config, mesh=None, eot: int | None = None):
     """(params, model_state, inputs, targets, mask) -> summed nats and token count, per dispatch; on
-    ``mesh`` as the model trains there (the expert-parallel transports, FSDP gathers)."""
+    ``mesh`` as the model trains there (the expert-parallel transports, FSDP gathers). ``eot``: packed
+    documents attend each only within itself (a store of conversations, as its step trains)."""
     m = cfg.model
     runtime = pmesh.Runtime(mesh, bool(cfg.mesh.fsdp and mesh is not None))
 
     def nll(params, model_state, inputs, targets, mask, dispatch):
-        hidden, _, _ = forward(params, model_state, inputs, m, dispatch, runtime=runtime)
+        segments = None if eot is None else document_segments(inputs, eot)
+        hidden, _, _ = forward(params, model_state, inputs, m, dispatch, runtime=runtime, segments=segments)
         lse, tgt = ce_terms(params, hidden, targets, m.ce_chunk, runtime)
         return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
