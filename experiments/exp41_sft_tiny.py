@@ -22,7 +22,8 @@ CONVERSATIONS = Path(cache_root()) / "chat_examples" / "stdlib-docstrings.jsonl"
 if not CONVERSATIONS.exists():
     chat_examples.write(CONVERSATIONS)
 
-CHAT = [f"data.sources=[{CONVERSATIONS}]", "data.text_field=messages", "train.eval_every=25"]
+# 100 steps of 16 x 128 tokens read the 734 conversations about 4 times over (9 from the seed, with its own tokenizer)
+CHAT = [f"data.sources=[{CONVERSATIONS}]", "data.text_field=messages", "train.eval_every=25", "data.epoch_cap=10"]
 base = train_step("sft-base", "tiny", ["train.steps=300"])
 sft = finetune_step("sft-stdlib", output_of(base), "tiny", ["train.steps=100", "train.lr=0.001", *CHAT])
 # the same conversations from the seed (its own tokenizer: compare the two in bits per byte)
