@@ -135,3 +135,15 @@ def test_sample_chat_renders_the_run_s_template(tmp_path):
     conv.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
     with pytest.raises(UsageError, match="unknown role 'robot'"):
         _prompt_text(args(messages=str(conv)), own)
+
+
+def test_the_offline_conversation_set_is_made_of_conversations(tmp_path):
+    from moelab.data import chat_examples
+
+    rows = chat_examples.conversations()
+    assert len(rows) > 200 and all(problem(r["messages"]) is None for r in rows)
+    asked = {r["messages"][0]["content"] for r in rows}
+    assert "What does textwrap.dedent do?" in asked and len(asked) == len(rows)  # no question twice
+    n = chat_examples.write(tmp_path / "a.jsonl", seed=1)
+    chat_examples.write(tmp_path / "b.jsonl", seed=1)
+    assert n == len(rows) and (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
