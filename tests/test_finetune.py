@@ -79,3 +79,38 @@ def test_init_from_must_name_a_step():
 
     with pytest.raises(ConfigError, match='train.init_from: "runs/a"; give RUN:STEP'):
         load_config("tiny", ["train.init_from=runs/a"])
+
+
+def test_a_fine_tune_killed_and_resumed_equals_one_not_interrupted(corpus, tmp_path):
+    """A fine-tune resumes from its own checkpoint (never from the parent again): killed at step 5 after
+    its checkpoint at 4, then resumed, it gives the uninterrupted run's losses and gradient norms."""
+    import os
+    import subprocess
+    import sys
+
+    sets = MICRO + [
+        f"data.sources=[{corpus['code']}]",
+        "train.checkpoint_every=4",
+        "train.eval_every=4",
+        "train.async_checkpoint=false",
+    ]  # the checkpoint at 4 complete before the kill
+    parent = tmp_path / "parent"
+    train(load_config("tiny", [*sets, "train.steps=4"]), parent, progress=False)
+
+    def cli(out, *extra, env=None):
+        cmd = [sys.executable, "-m", "moelab", "train", "tiny", "--init-from", str(parent), "--steps", "8", "--quiet",
+               "--out", str(out), *[x for s in sets for x in ("--set", s)], "--set", "train.lr=0.0005", *extra]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+    def trajectory(run):
+        return [(r["kind"], r["step"], r.get("loss"), r.get("grad_norm")) for r in read_jsonl(run / "metrics.jsonl")]
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert cli(whole).returncode == 0
+    assert cli(cut, env={"MOELAB_TEST_FAULTS": "kill@6"}).returncode == -9
+    res = cli(cut, "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    resumed = [e for e in read_jsonl(cut / "events.jsonl") if e.get("event") == "resume"]
+    assert resumed and resumed[-1]["step"] == 4
+    assert [e["event"] for e in read_jsonl(cut / "events.jsonl")].count("init_from") == 1  # once, at the start
+    assert trajectory(cut) == trajectory(whole)
