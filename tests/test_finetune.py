@@ -81,6 +81,7 @@ def test_init_from_must_name_a_step():
         load_config("tiny", ["train.init_from=runs/a"])
 
 
+@pytest.mark.slow  # three training processes: `make test-all` (CI) runs it
 def test_a_fine_tune_killed_and_resumed_equals_one_not_interrupted(corpus, tmp_path):
     """A fine-tune resumes from its own checkpoint (never from the parent again): killed at step 5 after
     its checkpoint at 4, then resumed, it gives the uninterrupted run's losses and gradient norms."""
