@@ -299,6 +299,9 @@ def test_eval_windows_spread_over_the_stream_and_disjoint_sets():
         def stream(self, domain, split):
             return np.arange(1, 1 + 32 * 40 + 1)  # 40 windows of 32 and one token more
 
+        def mask(self, domain, split):
+            return None  # no conversations: every target counts
+
     a, _ = eval_windows(Store(), "x", 32, 8 * 32)
     b, _ = eval_windows(Store(), "x", 32, 8 * 32, offset=4)
     assert a.shape == (8, 33) and a[0, 0] == 1 and a[-1, 0] == 1 + 35 * 32  # every 5th window, first to last

@@ -159,3 +159,26 @@ def test_packing_never_lets_a_token_attend_across_a_document_boundary(impl):
         if k:  # the unpacked row lets it see the documents before it
             assert np.abs(plain[at : at + len(d)] - alone).max() > 1e-3
         at += len(d) + 1
+
+
+def test_conversations_come_in_every_container(tmp_path, monkeypatch):
+    """The same conversations as gzipped JSON lines and as a Parquet column of lists of {role, content}:
+    the same tokens and the same mask."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
+    rows = [json.loads(x) for x in _chat_file(tmp_path).read_text().splitlines()]
+    (tmp_path / "gz").mkdir()
+    with gzip.open(tmp_path / "gz" / "chat.jsonl.gz", "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"messages": [r["messages"] for r in rows]}), tmp_path / "pq" / "chat.parquet")
+    got = []
+    for path in (tmp_path / "gz" / "chat.jsonl.gz", tmp_path / "pq" / "chat.parquet"):
+        cfg = _config(path, "data.held_out_fraction=0.0")
+        store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+        got.append((np.asarray(store.stream("chat", "train")), np.asarray(store.mask("chat", "train"))))
+    assert (got[0][0] == got[1][0]).all() and (got[0][1] == got[1][1]).all() and got[0][1].any()

@@ -320,8 +320,12 @@ def iter_documents(domain: Domain, bad: Bad | None = None, left_out: list | None
 
 
 def fingerprint(domain: Domain) -> list:
-    """What identifies a domain's content without reading it: its shards' paths, sizes and stamps."""
-    return [domain.name, domain.text_field, [[s.path, s.fmt, s.codec, s.size, s.stamp] for s in domain.shards]]
+    """What identifies a domain's content without reading it: its shards' paths, sizes and stamps (and
+    for conversations, the chat template that renders them)."""
+    out = [domain.name, domain.text_field, [[s.path, s.fmt, s.codec, s.size, s.stamp] for s in domain.shards]]
+    if domain.chat is not None:
+        out.append(hashlib.sha256(domain.chat.source.encode()).hexdigest()[:16])
+    return out
 
 
 def doc_hash(domain: str, doc_id: str) -> int:
