@@ -192,9 +192,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, referenc
     shutil.copytree(reference_run, out)  # a finished run, made unfinished: its summary gone
     (out / "summary.json").unlink()
     newest = checkpoint.steps(out / "ckpt")[-1]
-    # every data file cut short: which of them a restore reads first depends on how the save's threads
-    # laid the arrays out (cutting only the largest once left the restore reading none of it)
-    files = [p for p in (out / "ckpt" / f"step_{newest:08d}" / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    # every file of its state cut short: where a restore reads the arrays from (data files, or the small
+    # ones kept in the index itself) depends on how the save's threads laid them out (cutting only the
+    # largest file, or only the data files, left a restore that read none of it: seen here, now and then)
+    files = [p for p in (out / "ckpt" / f"step_{newest:08d}" / "state").rglob("*")
+             if p.is_file() and p.name != "commit_success.txt"]  # complete on record, damaged in content  # fmt: skip
     assert files
     for f in files:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
