@@ -132,7 +132,9 @@ def test_a_bad_conversation_is_refused_naming_file_and_line_or_skipped(tmp_path,
     assert store.manifest["bad_records"]["chat"]["chat.jsonl"]["records"] == 1
 
 
-@pytest.mark.parametrize("impl", ["blocked", "flash", "xla"])
+@pytest.mark.parametrize(
+    "impl", ["blocked", pytest.param("flash", marks=pytest.mark.slow), pytest.param("xla", marks=pytest.mark.slow)]
+)
 def test_packing_never_lets_a_token_attend_across_a_document_boundary(impl):
     """Three documents packed in a row, each ended by the end of text: every position of each has the
     hidden state of that document run alone (dropless: a token's experts are its own), past the
@@ -161,6 +163,7 @@ def test_packing_never_lets_a_token_attend_across_a_document_boundary(impl):
         at += len(d) + 1
 
 
+@pytest.mark.slow  # two more store builds: `make test-all` (CI) runs it
 def test_conversations_come_in_every_container(tmp_path, monkeypatch):
     """The same conversations as gzipped JSON lines and as a Parquet column of lists of {role, content}:
     the same tokens and the same mask."""
