@@ -15,6 +15,7 @@ TINY = ["--d-model", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
         "--expert-dim", "32", "--shared", "1", "--shared-dim", "64", "--seq", "32", "--batch", "4", "--vocab", "256"]  # fmt: skip
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_train_step_bench_json_has_every_field():
     res = run_cli("bench", "train-step", *TINY, "--steps", "4", "--json")
     assert res.returncode == 0, res.stderr[-2000:]

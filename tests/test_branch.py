@@ -64,6 +64,7 @@ def test_a_branch_that_would_change_its_prefix_is_refused(sets, why):
         branch_config(parent, 40, 40)
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_branch_from_a_checkpoint_equals_the_branch_trained_from_scratch(corpus, tmp_path):
     parent_cfg = _micro(corpus, *WSD, "train.steps=30", "train.keep_steps=[12]", "train.eval_every=3")
     train(parent_cfg, tmp_path / "parent", progress=False)

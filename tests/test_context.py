@@ -103,6 +103,7 @@ def test_bad_phase_lengths_are_refused_in_one_line(lens, starts, says):
     assert len(exc.value.errors) == 1 and says in exc.value.errors[0] and "data.phase_seq_lens" in exc.value.errors[0]
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_a_run_resumed_across_the_context_change_equals_the_uninterrupted_one(corpus, tmp_path):
     cfg = load_config("tiny", MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=12", "train.checkpoint_every=4",
                                        "data.phase_starts=[0.0,0.5]", "data.phase_seq_lens=[16,32]",

@@ -4,6 +4,7 @@ written, and a lab step records the parent in the step graph."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -63,6 +64,69 @@ def test_a_fine_tune_starts_from_the_parent_s_weights(corpus, tmp_path):
         parent.resolve()
     )
     assert _evals(out)[0]["loss"] == _evals(parent)[-1]["loss"]
+
+    # a Hugging Face folder that `moelab export hf` wrote: the same model, so the same held-out losses to
+    # the bit (a global layer's averaged kv heads come back repeated over their group, which averages back)
+    hf = tmp_path / "hf"
+    assert main(["export", "hf", str(parent), "--out", str(hf)]) == 0
+    out = tmp_path / "from-hf"
+    argv = ["train", "tiny", "--init-from", str(hf), "--steps", "1", "--out", str(out), "--quiet"]
+    assert main(argv + [x for s in sets for x in ("--set", s)]) == 0
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert saved["train"]["init_from"] == f"hf:{hf.resolve()}" and saved["data"]["tokenizer"] == str(hf.resolve())
+    assert _evals(out)[0]["loss"] == _evals(parent)[-1]["loss"]
+    event = next(e for e in read_jsonl(out / "events.jsonl") if e.get("event") == "init_from")
+    assert event["format"] == "hf" and event["step"] == 3
+    assert event["sha256"] == hashlib.sha256((hf / "model.safetensors").read_bytes()).hexdigest()
+    with pytest.raises(RunRefused, match=r"differ in hidden_size \(64 there, 96 here\)"):
+        train(load_config("tiny", [*sets, "model.d_model=96", f"train.init_from=hf:{hf}"]), wide, progress=False)
+    other = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(other, model_type="qwen2_moe")))
+    with pytest.raises(RunRefused, match="a 'qwen2_moe' model; moelab starts from its own layout only"):
+        train(load_config("tiny", [*sets, f"train.init_from=hf:{hf}"]), wide, progress=False)
+    assert not wide.exists()
+
+
+def test_the_hugging_face_layout_reads_back_what_it_writes():
+    """to_hf then from_hf: every weight as it was but a global layer's k and v, which come back as each
+    used head repeated over its group, so the layer's averaged weights are the same to the bit; a tensor
+    missing or of another shape is named."""
+    import jax
+    import numpy as np
+
+    from moelab.model import init_params
+    from moelab.model.hf_layout import from_hf, to_hf
+    from moelab.model.layers import group_kv
+
+    # two used heads over four allocated in a global layer: the order of the repeated heads matters
+    sets = ["model.n_layers=4", "model.n_shared=1", "model.n_heads=4", "model.n_kv_heads=2", "model.n_kv_heads_local=4"]
+    m = load_config("tiny", MICRO + sets).model
+    assert m.kv_heads_alloc == 4 and min(m.layer_kv_heads(i) for i in range(4)) == 2
+    params = jax.tree.map(np.asarray, init_params(m, jax.random.PRNGKey(0)))
+    bias = np.random.default_rng(0).normal(size=(m.n_layers, m.n_routed)).astype(np.float32)
+    tensors = {k: np.asarray(v) for k, v in to_hf(params, bias, m).items()}
+    back, back_bias = from_hf(tensors, m)
+    assert (back_bias == bias).all()
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    globals_ = [i for i in range(m.n_layers) if m.layer_kv_heads(i) < m.kv_heads_alloc]
+    assert globals_ and len(globals_) < m.n_layers  # both kinds of layer in this model
+    for name, w in params["layers"].items():
+        for i in range(m.n_layers):
+            if name in ("wk", "wv") and i in globals_:
+                kv = m.layer_kv_heads(i)
+                assert (back["layers"][name][i] != w[i]).any()  # the heads themselves are not kept...
+                used = np.asarray(group_kv(back["layers"][name][i], m.kv_heads_alloc, kv))
+                assert (used == np.asarray(group_kv(w[i], m.kv_heads_alloc, kv))).all()  # ...what the layer uses is
+            else:
+                assert (back["layers"][name][i] == w[i]).all(), (name, i)
+    for name in ("embed", "head", "final_norm"):
+        assert (back[name] == params[name]).all()
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.w_up: missing"):
+        from_hf({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.w_up"}, m)
+    with pytest.raises(ValueError, match=r"lm_head.weight: shape \[64, 512\], this model's is \[512, 64\]"):
+        from_hf(dict(tensors, **{"lm_head.weight": tensors["lm_head.weight"].T}), m)
+    with pytest.raises(ValueError, match="model.layers.9.x: not a weight of this model"):
+        from_hf(dict(tensors, **{"model.layers.9.x": np.zeros(1)}), m)
 
 
 def test_the_step_graph_records_the_fine_tune_s_parent():

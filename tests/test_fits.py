@@ -88,7 +88,7 @@ def test_chinchilla_fit_recovers_a_known_law():
     assert fit.alpha == pytest.approx(truth["alpha"], rel=0.05) and fit.beta == pytest.approx(truth["beta"], rel=0.05)
 
 
-@pytest.mark.parametrize("given_e", [True, False])
+@pytest.mark.parametrize("given_e", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: 11 s, CI runs it
 def test_marin_form_recovers_known_law_and_intervals_cover_it(given_e):
     rng = np.random.default_rng(1)
     E, A, alpha = 1.5, 2.0e3, 0.16

@@ -127,6 +127,7 @@ def test_the_compiled_step_holds_exactly_the_planned_state():
     assert got[True] < got[False] / 5
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_marin_hero_fits_its_gb200s_with_marins_memory_strategy():
     """The preset describes Marin's run: remat of each layer, the layer inputs and the optimizer state
     in the Grace CPU's memory, fused attention, chunked loss. On Marin's mesh it fits a GB200 at 16 x 4,096

@@ -4,6 +4,7 @@ those tokens, and a bad conversation is refused naming file:line or skipped and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -15,7 +16,7 @@ from conftest import MICRO
 from moelab.config import load_config
 from moelab.data.mixture import batch_at, build_mixture
 from moelab.data.store import build_store
-from moelab.errors import DataError
+from moelab.errors import ConfigError, DataError
 from moelab.model.layers import document_segments
 from moelab.model.transformer import forward, logits_of
 from moelab.train import optim
@@ -185,3 +186,82 @@ def test_conversations_come_in_every_container(tmp_path, monkeypatch):
         store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
         got.append((np.asarray(store.stream("chat", "train")), np.asarray(store.mask("chat", "train"))))
     assert (got[0][0] == got[1][0]).all() and (got[0][1] == got[1][1]).all() and got[0][1].any()
+
+
+def test_padded_rows_hold_one_conversation_each_and_lose_nothing_to_the_padding(tmp_path, monkeypatch):
+    """data.packing padded: every row is one conversation from its start (a long one cut past the row),
+    its mask as the store's, the rest padding outside the loss; a pass reads each conversation once; the
+    step's cross-entropy is that of each conversation run alone (a reference without any padding), and
+    the held-out loss reads the held-out conversations the same way."""
+    monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
+    path = _chat_file(tmp_path)
+    long = {
+        "messages": [
+            {"role": "user", "content": "count"},
+            {"role": "assistant", "content": " ".join(map(str, range(60)))},
+        ]
+    }
+    path.write_text(path.read_text() + json.dumps(long) + "\n")
+    cfg = _config(path, "data.packing=padded", "data.held_out_fraction=0.1")
+    store = build_store(cfg.data, cfg.model.vocab_size, progress=False)
+    stream, mask, eot = np.asarray(store.stream("chat", "train")), np.asarray(store.mask("chat", "train")), store.eot
+    ends = np.flatnonzero(stream == eot)
+    docs = [(a, b) for a, b in zip(np.concatenate([[0], ends[:-1] + 1]), ends + 1, strict=True)]  # by hand
+    mix = build_mixture(cfg, store, cfg.train.steps, cfg.train.seed)
+    n, row = len(docs), cfg.model.seq_len + 1
+    assert max(b - a for a, b in docs) > row  # the long conversation is there, and cut
+
+    # a pass over the domain: each conversation once, each row one of them from its start
+    seen = []
+    steps = -(-n // cfg.train.batch_size)
+    for s in range(steps):
+        batch, _ = batch_at(store, mix, cfg.train.seed, s, cfg.train.batch_size, cfg.model.seq_len)
+        for r in batch:
+            ids = np.where(r < 0, -r - 1, r)
+            k = next(
+                i for i, (a, b) in enumerate(docs) if (stream[a : min(b, a + row)] == ids[: min(b - a, row)]).all()
+            )
+            a, b = docs[k]
+            used = min(b - a, row)
+            assert (ids[used:] == eot).all() and (r[used:] < 0).all()  # padding, outside the loss
+            assert ((r[:used] >= 0) == mask[a : a + used].astype(bool)).all()
+            seen.append(k)
+    assert sorted(seen[:n]) == list(range(n))
+
+    # the step against each conversation alone
+    batch, _ = batch_at(store, mix, cfg.train.seed, 0, cfg.train.batch_size, cfg.model.seq_len)
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    state = init_train_state(cfg, opt)
+    nll, count = 0.0, 0
+    for r in batch:
+        used = int(np.flatnonzero(r >= 0).max()) + 1 if (r >= 0).any() else 1
+        ids = np.where(r < 0, -r - 1, r)[:used]
+        hidden = forward(state["params"], state["model_state"], jnp.asarray(ids[None, :-1]), cfg.model, "dropless")[0]
+        logp = np.asarray(jax.nn.log_softmax(logits_of(state["params"], hidden).astype(jnp.float32), axis=-1))[0]
+        counted = r[1:used] >= 0
+        nll += float(-logp[np.arange(used - 1), ids[1:]][counted].sum())
+        count += int(counted.sum())
+    step = make_train_step(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dispatch="dropless")), opt, h,
+                           masked=True, eot=None)  # fmt: skip
+    _, got = step(jax.tree.map(jnp.copy, state), jnp.asarray(batch), jnp.int32(0))
+    assert float(got["ce"]) == pytest.approx(nll / count, rel=1e-5)
+
+    # held out: documents one a row, the mask as the store's
+    rows, weights = eval_windows(store, "chat", cfg.model.seq_len, 10_000, padded=True)
+    held, hmask = np.asarray(store.stream("chat", "heldout")), np.asarray(store.mask("chat", "heldout"))
+    assert len(rows) == int((held == eot).sum())  # every held-out conversation, each once
+    a = 0
+    for r, w in zip(rows, weights, strict=True):
+        b = a + int(np.flatnonzero(held[a:] == eot)[0]) + 1
+        used = min(b - a, row)
+        assert (r[:used] == held[a : a + used]).all() and (r[used:] == eot).all()
+        assert (w[: used - 1] == hmask[a + 1 : a + used]).all() and not w[used - 1 :].any()
+        a = b
+
+
+def test_padded_rows_take_one_sequence_length():
+    with pytest.raises(ConfigError, match="data.packing: padded takes one sequence length"):
+        load_config("tiny", ["data.packing=padded", "data.phase_seq_lens=[64,128]", "data.phase_starts=[0.0,0.8]"])
+    with pytest.raises(ConfigError, match="data.packing: must be packed or padded"):
+        load_config("tiny", ["data.packing=pad"])

@@ -155,6 +155,7 @@ def test_model_loglik_equals_the_log_softmax_of_the_full_forward():
     assert np.isfinite(got).all()
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_task_evals_in_the_loop_reach_metrics_summary_and_site(corpus, tmp_path, capsys):
     """train.task_evals: scored at every evaluation (the same as `moelab eval --tasks` on the same
     checkpoint), in the summary and as a plot per task on the site; a bad task is refused before a

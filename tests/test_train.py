@@ -211,6 +211,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, referenc
     assert _trajectory(out) == _trajectory(reference_run)  # from the previous one again, to the same numbers
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_supervisor_restarts_a_killed_run(corpus, reference_run, tmp_path):
     out = tmp_path / "run"
     res = _train_cli(corpus, out, "--max-restarts", "3", env={"MOELAB_TEST_FAULTS": "kill@12,kill@25"})
@@ -620,6 +621,7 @@ def test_a_run_resumed_after_a_restore_restores_again_as_the_uninterrupted_one(c
     assert got == ref
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_mfu_is_per_device_against_the_compute_dtype_peak(corpus, tmp_path):
     from moelab import accounting
     from moelab.cache import matmul_peak
@@ -696,6 +698,7 @@ def test_a_run_whose_every_step_compiled_reports_no_speed(tmp_path, recwarn):
     assert summarize(run, load_config("tiny", ["train.steps=2"]))["tokens_per_s"] == 1000.0
 
 
+@pytest.mark.slow  # over 10 s: `make test-all` (CI) runs it; make test measured 16:24 with it
 def test_a_run_compiled_at_xlas_default_level_resumes_exactly(corpus, tmp_path):
     """Every other equality test compiles with LLVM's optimisation off (tests/conftest.py, for speed);
     real runs do not. One end to end at XLA's default level: a run killed at step 5 (SIGKILL, after

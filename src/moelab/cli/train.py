@@ -371,8 +371,9 @@ def register(sub) -> None:
     p.add_argument(
         "--init-from",
         metavar="RUN[:STEP]",
-        help="fine-tune: start from this run's weights at STEP (default: its newest checkpoint) with this config's "
-        "own optimizer, schedule and data (train.init_from); its tokenizer too, unless data.tokenizer names one",
+        help="fine-tune: start from this run's weights at STEP (default: its newest checkpoint), or from a Hugging "
+        "Face folder that `moelab export hf` wrote, with this config's own optimizer, schedule and data "
+        "(train.init_from); its tokenizer too, unless data.tokenizer names one",
     )
     p.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process job: its coordinator address")
     p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")

@@ -62,6 +62,11 @@ class DataConfig:
         (),
         "The sequence length of each phase: a long-context phase. Empty = model.seq_len throughout; one value = every phase. The longest must equal model.seq_len and lengths must not fall. The batch's tokens are held (train.batch_size counts sequences of model.seq_len), so a shorter phase holds more sequences; RoPE is scaled by length / the first length in a longer phase (model.rope_scaling), and the model samples and exports at the last.",
     )
+    packing: str = _f(
+        "packed",
+        "How documents fill the rows of a batch: packed (end to end, each attending only within itself where the store holds conversations) or padded (one document a row from its start, cut past model.seq_len + 1 tokens, the rest padding outside the loss; a domain's pass is then one row per document). padded takes one sequence length (no data.phase_seq_lens).",
+        ("packed", "padded"),
+    )
     epoch_cap: float = _f(4.0, "Most passes over any domain's training tokens that the mixture may need; > 0.")
     epoch_cap_action: str = _f(
         "refuse",
@@ -89,6 +94,10 @@ class DataConfig:
             e.append(f"data.text_field: every domain's field must be named, got {dict(d.text_field)!r}")
         if d.bad_records not in ("refuse", "skip"):
             e.append(f"data.bad_records: must be refuse or skip, got {d.bad_records!r}")
+        if d.packing not in ("packed", "padded"):
+            e.append(f"data.packing: must be packed or padded, got {d.packing!r}")
+        elif d.packing == "padded" and len(set(d.phase_seq_lens)) > 1:
+            e.append("data.packing: padded takes one sequence length; drop data.phase_seq_lens or pack the documents")
         if d.workers < 0:
             e.append(f"data.workers: must be >= 0 (0 = every core), got {d.workers}")
         if d.backend not in ("local", "ray"):

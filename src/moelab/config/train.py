@@ -127,7 +127,7 @@ class TrainConfig:
     )
     init_from: str = _f(
         "",
-        'Start from a finished run\'s weights: "RUN:STEP" (its folder and checkpoint step), with this config\'s own optimizer (fresh), schedule and data; the model must have the parent\'s shapes. "" = from the seed. `moelab train --init-from RUN[:STEP]` sets it (the newest checkpoint by default).',
+        'Start from a finished run\'s weights: "RUN:STEP" (its folder and checkpoint step), with this config\'s own optimizer (fresh), schedule and data; the model must have the parent\'s shapes. "hf:DIR" = a Hugging Face folder that `moelab export hf` wrote (or one in its layout). "" = from the seed. `moelab train --init-from RUN[:STEP]` (or DIR) sets it (the newest checkpoint by default).',
     )
     task_evals: tuple[str, ...] = _f(
         (),
@@ -196,10 +196,12 @@ class TrainConfig:
             )
         if t.task_eval_examples < 0:
             e.append(f"train.task_eval_examples: must be >= 0 (0 = every example), got {t.task_eval_examples}")
-        if t.init_from:
+        if t.init_from and not (t.init_from.startswith("hf:") and t.init_from[3:].strip()):
             run, _, step = t.init_from.rpartition(":")
             if not run or not step.isdigit():
-                e.append(f'train.init_from: "{t.init_from}"; give RUN:STEP, a run folder and its checkpoint step')
+                e.append(
+                    f'train.init_from: "{t.init_from}"; give RUN:STEP, a run folder and its checkpoint step, or hf:DIR'
+                )
         if t.task_eval_samples < 1:
             e.append(f"train.task_eval_samples: must be >= 1 (1 = one greedy completion), got {t.task_eval_samples}")
         if not all(isinstance(x, str) and x.strip() for x in t.task_evals):

@@ -14,6 +14,9 @@ kept. To know k, the rows each domain drew before a step are counted (vectorised
 between calls, so the next step costs one batch's work); a cold call at any step gives exactly the
 batch that reaching it step by step gives.
 
+With ``data.packing: padded`` a domain's windows are its documents instead: window i is document i
+from its start (cut past seq_len + 1 tokens), the rest of the row padding outside the loss.
+
 So batch s is a pure function of (seed, s, batch size, config and store): a resumed run reads
 exactly the batches the uninterrupted one would, and two processes with one seed read the same
 batches. The epochs of each domain a run will read are counted exactly from these draws, and the
@@ -50,8 +53,18 @@ class Mixture:
     # each phase's sequence length (data.phase_seq_lens); empty = every step's rows are the caller's
     # seq_len. A phase of length L holds batch_size * seq_len / L rows (the batch's tokens held)
     lengths: tuple[int, ...] = ()
+    # data.packing padded: each domain's training documents, [n + 1] bounds in its stream (each
+    # document with its EOT; the last bound the stream's end); empty = packed
+    docs: dict = field(default_factory=dict, repr=False, compare=False)
     # counts of draws remembered between calls, per (seed, batch size); never compared or copied
     _counters: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def windows(self, store: TokenStore, domain: str, seq_len: int) -> int:
+        """A pass over ``domain``'s training data, in rows: its documents (padded), or its windows of the
+        first phase's length (packed; ``seq_len`` where every phase has one)."""
+        if self.docs:
+            return len(self.docs[domain]) - 1
+        return (len(store.stream(domain, "train")) - 1) // (self.lengths[0] if self.lengths else seq_len)
 
     def phase_at(self, step: int) -> int:
         return int(np.searchsorted(np.asarray(self.phase_steps), step, side="right") - 1)
@@ -86,8 +99,9 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
     sizes = np.array([len(store.stream(x, "train")) for x in domains], np.float64)
     seq_len = cfg.model.seq_len
     row = seq_len + 1
+    padded = d.packing == "padded"
     for name, n in zip(domains, sizes, strict=True):
-        if n < row:
+        if n < (2 if padded else row):
             raise DataError(f"{name}: only {int(n)} training tokens, fewer than model.seq_len + 1 = {row}")
     phases = len(d.phase_starts)
     table = np.zeros((phases, len(domains)))
@@ -109,11 +123,11 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
     else:
         phase_steps = tuple(int(round(f * steps)) for f in d.phase_starts)
     lengths = tuple(d.phase_seq_lens) * (phases if len(d.phase_seq_lens) == 1 else 1)
-    mix = Mixture(domains, phase_steps, table, {}, lengths if len(set(lengths)) > 1 else ())
+    docs = {name: document_bounds(store, name, "train") for name in domains} if padded else {}
+    mix = Mixture(domains, phase_steps, table, {}, lengths if len(set(lengths)) > 1 else (), docs)
     drawn = _counter(mix, seed, cfg.train.batch_size, seq_len).before(steps)  # also remembers marks for a resume
-    # passes in units of the first phase's windows (a longer phase's row counts as several)
-    windows = (sizes.astype(np.int64) - 1) // (mix.lengths[0] if mix.lengths else seq_len)
-    mix.epochs.update({name: float(drawn[i] / windows[i]) for i, name in enumerate(domains)})
+    # passes in units of the first phase's windows (a longer phase's row counts as several), or of documents
+    mix.epochs.update({name: float(drawn[i] / mix.windows(store, name, seq_len)) for i, name in enumerate(domains)})
     over = {k: v for k, v in mix.epochs.items() if v > d.epoch_cap}
     if over:
         name, value = max(over.items(), key=lambda kv: kv[1])
@@ -150,8 +164,14 @@ def batch_rows(
     for di in np.unique(mine_d):
         name = mix.domains[di]
         stream, mask = store.stream(name, "train"), store.mask(name, "train")
-        n_windows = (len(stream) - 1) // length
         rows_of = np.flatnonzero(mine_d == di)
+        if mix.docs:  # padded: one document a row
+            bounds = mix.docs[name]
+            which = window_of(seed, name, mine_k[rows_of], len(bounds) - 1)
+            for r, w in zip(rows_of, which.tolist(), strict=True):
+                out[r] = padded_row(stream, mask, int(bounds[w]), int(bounds[w + 1]), length, store.eot)
+            continue
+        n_windows = (len(stream) - 1) // length
         starts = window_of(seed, name, mine_k[rows_of], n_windows) * length
         for r, start in zip(rows_of, starts.tolist(), strict=True):
             out[r] = stream[start : start + length + 1]
@@ -161,14 +181,59 @@ def batch_rows(
     return out, domain_idx
 
 
+def padded_row(stream: np.ndarray, mask, start: int, end: int, length: int, eot: int) -> np.ndarray:
+    """One document (``stream[start:end]``, its EOT last) as a row of ``length`` + 1 tokens from its
+    start: cut past the row, the rest padding (EOT) outside the loss; a token outside the loss is given
+    as ``-id - 1``, as in a packed row of conversations."""
+    end = min(end, start + length + 1)
+    row = np.full(length + 1, -eot - 1, np.int32)
+    got = np.asarray(stream[start:end], np.int32)
+    if mask is not None:
+        got = np.where(np.asarray(mask[start:end]).astype(bool), got, -got - 1)
+    row[: end - start] = got
+    return row
+
+
+def document_bounds(store: TokenStore, domain: str, split: str) -> np.ndarray:
+    """[n + 1]: where each of a split's documents starts in its stream (a document ends with its EOT),
+    then the stream's end. Read in blocks: a long stream is never held as one array of flags."""
+    stream, eot, block = store.stream(domain, split), store.eot, 1 << 24
+    ends = [np.flatnonzero(np.asarray(stream[a : a + block]) == eot) + a + 1 for a in range(0, len(stream), block)]
+    ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+    if not len(ends) or ends[-1] != len(stream):  # a stream that does not end with EOT: its last document
+        ends = np.append(ends, len(stream))
+    return np.concatenate([[0], ends]).astype(np.int64)
+
+
+def padding_stats(mix: Mixture, length: int) -> dict[str, dict]:
+    """Padded rows, per domain: its documents, the share of their tokens cut past a row of ``length`` + 1,
+    and the share of a row's positions that are padding (documents weighted alike, as drawn)."""
+    out = {}
+    for name, bounds in mix.docs.items():
+        sizes = np.diff(bounds)
+        kept = np.minimum(sizes, length + 1)
+        out[name] = {
+            "documents": int(len(sizes)),
+            "cut": float(1 - kept.sum() / max(sizes.sum(), 1)),
+            "padding": float(1 - kept.mean() / (length + 1)) if len(sizes) else 0.0,
+        }
+    return out
+
+
+def batch_targets(cfg: Config, store: TokenStore) -> tuple[bool, int | None]:
+    """How a run's batches are read (``train.step.split_masked``): whether some tokens are given as
+    ``-id - 1`` (outside the loss: a store of conversations, or padded rows), and the EOT that splits a
+    row into documents attending each within itself (packed conversations; a padded row holds one)."""
+    convo = bool(store.manifest.get("mask"))
+    padded = cfg.data.packing == "padded"
+    return convo or padded, store.eot if convo and not padded else None
+
+
 def epochs_at(store: TokenStore, mix: Mixture, seed: int, step: int, batch_size: int, seq_len: int) -> dict[str, float]:
     """Passes over each domain's training windows read by the batches before ``step`` (windows of the
-    first phase's length)."""
+    first phase's length, or documents where padded)."""
     drawn = _counter(mix, seed, batch_size, seq_len).before(step)
-    unit = mix.lengths[0] if mix.lengths else seq_len
-    return {
-        name: float(drawn[i] / ((len(store.stream(name, "train")) - 1) // unit)) for i, name in enumerate(mix.domains)
-    }
+    return {name: float(drawn[i] / mix.windows(store, name, seq_len)) for i, name in enumerate(mix.domains)}
 
 
 def window_of(seed: int, domain: str, k, n_windows: int) -> np.ndarray:

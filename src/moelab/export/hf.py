@@ -30,7 +30,7 @@ from moelab.config import final_model, rope_scaling_of, to_dict
 from moelab.data.chat import ChatTemplate
 from moelab.errors import UsageError
 from moelab.export import Trained, load_trained
-from moelab.model.layers import group_kv
+from moelab.model.hf_layout import WEIGHTS, shape_fields, to_hf
 
 HERE = Path(__file__).parent / "remote_code"
 EOT = "<|endoftext|>"
@@ -62,35 +62,9 @@ def _np(a) -> np.ndarray:
 
 
 def hf_tensors(t: Trained) -> dict[str, np.ndarray]:
-    """PyTorch names (modeling_moelab.py's modules), linear weights as [out, in]."""
-    m, p = t.cfg.model, t.params
-    L = p["layers"]
-    out = {
-        "model.embed_tokens.weight": _np(p["embed"]),
-        "model.norm": _np(p["final_norm"]),
-        "lm_head.weight": _np(p["head"]).T,
-    }
-    for i in range(m.n_layers):
-        pre = f"model.layers.{i}."
-        kv = m.layer_kv_heads(i)
-        out[pre + "attn_norm"] = _np(L["attn_norm"][i])
-        out[pre + "mlp_norm"] = _np(L["mlp_norm"][i])
-        out[pre + "self_attn.q_proj.weight"] = _np(L["wq"][i]).T
-        out[pre + "self_attn.k_proj.weight"] = _np(group_kv(L["wk"][i], m.kv_heads_alloc, kv)).T
-        out[pre + "self_attn.v_proj.weight"] = _np(group_kv(L["wv"][i], m.kv_heads_alloc, kv)).T
-        out[pre + "self_attn.o_proj.weight"] = _np(L["wo"][i]).T
-        out[pre + "mlp.router.weight"] = _np(L["router"][i]).T
-        out[pre + "mlp.router_bias"] = _np(t.model_state["router_bias"][i])
-        for name in ("w_gate", "w_up", "w_down"):
-            out[pre + f"mlp.experts.{name}"] = _np(L[name][i])
-        if m.latent_dim:
-            out[pre + "mlp.latent_down.weight"] = _np(L["latent_down"][i]).T
-            out[pre + "mlp.latent_norm"] = _np(L["latent_norm"][i])
-            out[pre + "mlp.latent_up.weight"] = _np(L["latent_up"][i]).T
-        if m.n_shared:
-            for name in ("shared_gate", "shared_up", "shared_down"):
-                out[pre + f"mlp.{name}.weight"] = _np(L[name][i]).T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    """PyTorch names (modeling_moelab.py's modules), linear weights as [out, in] (``model.hf_layout``)."""
+    out = to_hf(t.params, t.model_state["router_bias"], t.cfg.model)
+    return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
 
 
 def _rope_scaling(t: Trained) -> dict:
@@ -110,22 +84,13 @@ def hf_config(t: Trained, eot: int | None) -> dict:
             "AutoConfig": "configuration_moelab.MoelabConfig",
             "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM",
         },
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "head_dim": m.head_size,
-        "layer_kv_heads": [m.layer_kv_heads(i) for i in range(m.n_layers)],
+        **shape_fields(m),  # the fields an import checks (model.hf_layout)
         "layer_windows": windows,
         "rope_fraction": m.rope_fraction,
         "rope_theta": m.rope_theta,
         "rope_scaling": _rope_scaling(t),
         "rms_norm_eps": m.norm_eps,
-        "n_routed_experts": m.n_routed,
         "num_experts_per_tok": m.top_k,
-        "moe_intermediate_size": m.expert_dim,
-        "latent_dim": m.latent_dim,
-        "shared_intermediate_size": m.n_shared * m.shared_dim,
         "router": m.router,
         "routed_scale": m.routed_scale if m.router == "sigmoid" else 1.0,
         "max_position_embeddings": final_model(t.cfg).seq_len,  # the last phase's context
@@ -155,8 +120,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
     tmp.mkdir()
     try:
         tensors = hf_tensors(t)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", 0o644)
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS, 0o644)
         (tmp / "config.json").write_text(json.dumps(hf_config(t, eot), indent=1))
         gen = {"eos_token_id": eot, "pad_token_id": eot, "use_cache": True}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1))

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from moelab.config import Config, phase_config, phase_seq_lens
-from moelab.data.mixture import build_mixture
+from moelab.data.mixture import batch_targets, build_mixture, document_bounds, padded_row
 from moelab.data.store import TokenStore, build_store
 from moelab.errors import RunRefused
 from moelab.parallel.mesh import put_batch
@@ -24,12 +24,16 @@ from moelab.train.step import init_train_state, make_eval_step
 
 
 def eval_windows(
-    store: TokenStore, domain: str, seq_len: int, max_tokens: int, offset: int = 0
+    store: TokenStore, domain: str, seq_len: int, max_tokens: int, offset: int = 0, padded: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows [n, seq_len + 1] and a mask [n, seq_len] of the targets that count.
 
     The held-out stream is cut into non-overlapping windows; n = max_tokens // seq_len of them are
-    taken at an even stride from the first, and ``offset`` (< stride) shifts every one of them."""
+    taken at an even stride from the first, and ``offset`` (< stride) shifts every one of them.
+    ``padded`` (data.packing padded, as the run trains): the windows are the held-out documents, one a
+    row from its start, cut and padded as in training (moelab.data.mixture.padded_row)."""
+    if padded:
+        return _padded_windows(store, domain, seq_len, max_tokens, offset)
     stream = np.asarray(store.stream(domain, "heldout"), np.int32)
     n_all = (len(stream) - 1) // seq_len
     n = min(max(max_tokens // seq_len, 1), n_all)
@@ -54,12 +58,27 @@ def eval_windows(
     return rows, np.ones((n, seq_len), np.float32)
 
 
-def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int) -> dict[str, int]:
+def _padded_windows(store: TokenStore, domain: str, seq_len: int, max_tokens: int, offset: int):
+    stream, counts = store.stream(domain, "heldout"), store.mask(domain, "heldout")
+    bounds = document_bounds(store, domain, "heldout")
+    n_all = len(bounds) - 1
+    n = min(max(max_tokens // seq_len, 1), n_all)
+    stride = n_all // n
+    if not 0 <= offset < stride:
+        raise ValueError(f"{domain}: offset {offset} outside the {stride} disjoint document sets")
+    which = np.arange(n) * stride + offset
+    rows = np.stack([padded_row(stream, counts, int(bounds[i]), int(bounds[i + 1]), seq_len, store.eot) for i in which])
+    return np.where(rows < 0, -rows - 1, rows), (rows[:, 1:] >= 0).astype(np.float32)
+
+
+def disjoint_sets(store: TokenStore, seq_len: int, max_tokens: int, padded: bool = False) -> dict[str, int]:
     """How many disjoint window sets each domain's held-out stream holds (1: the evaluation reads
-    all of it, or all it can)."""
+    all of it, or all it can); ``padded``: sets of documents."""
     sets = {}
     for domain in store.domains:
         n_all = (len(store.stream(domain, "heldout")) - 1) // seq_len
+        if padded:
+            n_all = len(document_bounds(store, domain, "heldout")) - 1
         n = min(max(max_tokens // seq_len, 1), n_all)
         sets[domain] = max(1, n_all // n) if n else 1
     return sets
@@ -80,7 +99,8 @@ class Evaluator:
     def __init__(self, cfg: Config, store: TokenStore, offset: int | dict = 0, dropless_only: bool = False, mesh=None):
 
         self.cfg, self.mesh = cfg, mesh
-        self.fn = make_eval_step(cfg, mesh, store.eot if store.manifest.get("mask") else None)
+        self.fn = make_eval_step(cfg, mesh, batch_targets(cfg, store)[1])
+        padded = cfg.data.packing == "padded"
         m = cfg.model
         # as trained (the training dispatch, with its drops) and dropless
         self.dispatches = {"_dropless": "dropless"} if dropless_only else {"": m.dispatch, "_dropless": "dropless"}
@@ -93,7 +113,7 @@ class Evaluator:
         self.train_domains = [d for d in store.domains if len(store.stream(d, "heldout")) >= 2]
         for domain in self.train_domains + [d for d in store.validation if len(store.stream(d, "heldout")) >= 2]:
             at = offset.get(domain, 0) if isinstance(offset, dict) else offset
-            rows, mask = eval_windows(store, domain, m.seq_len, cfg.train.eval_tokens, at)
+            rows, mask = eval_windows(store, domain, m.seq_len, cfg.train.eval_tokens, at, padded)
             n_bytes = float(np.sum(store.byte_lengths[np.clip(rows[:, 1:], 0, len(store.byte_lengths) - 1)] * mask))
             pad = (-len(rows)) % b
             if pad:
@@ -194,7 +214,7 @@ def eval_noise(run_dir, step: int | None = None, sets: int = 8, progress: bool =
     sets is the part that does not cancel between runs (``paired_relative_sd``)."""
 
     run, cfg, store, state, step = restored(run_dir, step, progress)
-    per = disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens)
+    per = disjoint_sets(store, cfg.model.seq_len, cfg.train.eval_tokens, cfg.data.packing == "padded")
     n = min(sets, max(per.values()))
     if n < 2:
         raise RunRefused(

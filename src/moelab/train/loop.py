@@ -17,7 +17,7 @@ import numpy as np
 from moelab.cache import enable_compile_cache
 from moelab.config import Config, config_hash, phase_seq_lens, resolve_dtype, to_dict
 from moelab.config.faults import parse
-from moelab.data.mixture import build_mixture
+from moelab.data.mixture import build_mixture, padding_stats
 from moelab.data.store import build_store, resolve_all
 from moelab.errors import ConfigError, RunError, RunRefused  # noqa: F401 - raised here, importable from here
 from moelab.eval.builtin import BUILTIN, builtin_task
@@ -205,6 +205,9 @@ def _prepare_data(cfg: Config, run: RunDir, progress: bool):
     _check_fault_domains(cfg)
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     mixture = build_mixture(cfg, store)
+    for name, p in padding_stats(mixture, cfg.model.seq_len).items():  # data.packing padded
+        say(f"padded rows: {name}: {p['documents']:,} documents, one a row; {100 * p['cut']:.1f}% of their tokens "
+            f"cut past {cfg.model.seq_len + 1}, {100 * p['padding']:.1f}% of a row padding", progress)  # fmt: skip
     run.path.mkdir(parents=True, exist_ok=True)
     if not run.config.exists():
         run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))

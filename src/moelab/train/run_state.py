@@ -17,7 +17,7 @@ import optax
 from moelab import accounting
 from moelab.cache import remember, remembered
 from moelab.config import Config, config_hash, data_seed, phase_config, rope_scaling_of, to_dict
-from moelab.data.mixture import Mixture, batch_at, batch_rows, epochs_at
+from moelab.data.mixture import Mixture, batch_at, batch_rows, batch_targets, epochs_at
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_saved
 from moelab.eval.generation import GenTask, score_model
@@ -149,8 +149,8 @@ class RunState:
                     self.shardings,
                     mesh=self.mesh,
                     faults=self.injection is not None,
-                    masked=bool(self.store.manifest.get("mask")),
-                    eot=self.store.eot if self.store.manifest.get("mask") else None,
+                    masked=batch_targets(pcfg, self.store)[0],
+                    eot=batch_targets(pcfg, self.store)[1],
                 ),  # fmt: skip
                 "evaluator": None,
                 "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
