@@ -330,3 +330,37 @@ def test_a_run_checkpointing_to_gs_resumes_exactly(corpus, fake_gcs, tmp_path):
     assert resume["checkpoint"] == 10
     assert _train_records(tmp_path / "run") == _train_records(tmp_path / "ref")
     assert checkpoint.steps(f"{fake_gcs}/run/ckpt") == [10, 20]
+
+
+def test_young_daly_interval_by_hand():
+    from moelab.schedule import checkpoint_interval
+
+    # a 60 s save, a failure a day: sqrt(2 x 60 x 86400) = 3219.94 s, less the save
+    assert checkpoint_interval(60.0, 86400.0) == pytest.approx(3159.94, abs=0.01)
+    assert checkpoint_interval(1.0, 3600.0) == pytest.approx(2 * 3600**0.5 / 2**0.5 - 1.0)  # sqrt(7200) - 1
+    assert checkpoint_interval(2000.0, 3600.0) == 3600.0  # a save of half the time between failures or more
+    assert checkpoint_interval(0.0, 3600.0) == 0.0
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_the_first_save_s_cost_is_measured_and_gives_young_daly_s_interval(corpus, tmp_path, capsys, background):
+    """The run says once what its first save cost (blocked time and the extra time of the steps taken
+    while it was in flight, against the median step without one) and the interval for the failure rate
+    given; the event holds the same figures."""
+    from moelab.schedule import checkpoint_interval
+
+    sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.steps=9", "train.checkpoint_every=4",
+                    "train.eval_every=100", "train.failure_hours=0.5", f"train.async_checkpoint={background}"]  # fmt: skip
+    train(load_config("tiny", sets), tmp_path / "run", progress=True)
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("event") == "checkpoint_cost"]
+    assert len(events) == 1
+    e = events[0]
+    assert e["step"] == 4 and e["background"] is background
+    assert e["save_s"] == pytest.approx(e["blocked_s"] + e["extra_s"]) and e["blocked_s"] > 0 and e["step_s"] > 0
+    if not background:
+        assert e["extra_s"] == 0 and e["steps_in_flight"] == 0
+    assert e["interval_s"] == pytest.approx(checkpoint_interval(e["save_s"], 1800.0))
+    assert e["interval_steps"] == max(1, round(e["interval_s"] / e["step_s"]))
+    err = capsys.readouterr().err
+    assert err.count("checkpoint at step 4: the save cost the run") == 1
+    assert f"Young/Daly's interval is {e['interval_steps']:,} steps" in err

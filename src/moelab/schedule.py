@@ -163,3 +163,16 @@ def lr_factor(step, h: Hyper):
             return jnp.where(s < at, prev(s), new(s))
 
     return fn(step)
+
+
+def checkpoint_interval(save_s: float, mtbf_s: float) -> float:
+    """Seconds of training between checkpoints that waste the least time for a save that costs the run
+    ``save_s`` seconds and a failure every ``mtbf_s`` seconds on average: Daly's first-order optimum
+    (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", Future
+    Generation Computer Systems 22, 2006), sqrt(2 save_s mtbf_s) - save_s, Young's sqrt(2 save_s mtbf_s)
+    less the save itself; mtbf_s when the save costs half the time between failures or more."""
+    if save_s <= 0:
+        return 0.0
+    if save_s >= mtbf_s / 2:
+        return float(mtbf_s)
+    return math.sqrt(2 * save_s * mtbf_s) - save_s

@@ -118,6 +118,10 @@ class TrainConfig:
         "Host offload (memory kind pinned_host): none, optimizer, layer_inputs or all. optimizer: AdamW/Muon state kept in host memory and moved in for the update; layer_inputs: with model.remat, each rematerialised block's (or layer's) input saved to host memory; all: both (Marin's strategy on GB200).",
         OFFLOADS,
     )
+    failure_hours: float = _f(
+        0.0,
+        "Mean hours between failures of the job (a node, the network, a preemption: the whole cluster's rate) that you expect. > 0: after the first checkpoint the run prints Young/Daly's checkpoint interval for the save's measured cost and this rate, beside train.checkpoint_every. 0 = the save's cost alone.",
+    )
     async_checkpoint: bool = _f(
         True, "Save checkpoints in the background while training goes on. false: the step waits for each save."
     )
@@ -202,6 +206,10 @@ class TrainConfig:
                 e.append(
                     f'train.init_from: "{t.init_from}"; give RUN:STEP, a run folder and its checkpoint step, or hf:DIR'
                 )
+        if not t.failure_hours >= 0 or t.failure_hours == float("inf"):
+            e.append(
+                f"train.failure_hours: must be a finite number of hours >= 0 (0 = none given), got {t.failure_hours}"
+            )
         if t.task_eval_samples < 1:
             e.append(f"train.task_eval_samples: must be >= 1 (1 = one greedy completion), got {t.task_eval_samples}")
         if not all(isinstance(x, str) and x.strip() for x in t.task_evals):

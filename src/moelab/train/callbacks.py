@@ -31,6 +31,7 @@ import time
 
 import jax
 
+from moelab import schedule
 from moelab.errors import RunError
 from moelab.ladder import forecast as F
 from moelab.ladder.law import LAWS
@@ -328,20 +329,77 @@ class Trackers(Callback):
 
 class Checkpointer(Callback):
     """Every ``train.checkpoint_every`` steps, at ``train.keep_steps`` and at the end: a checkpoint (in
-    the background with ``train.async_checkpoint``); the last one complete before the run ends."""
+    the background with ``train.async_checkpoint``); the last one complete before the run ends.
+
+    The first save that completes before the run's end is measured: what it cost the run (the time the
+    loop waited for it, and the extra time of the steps taken while it was in flight, against the
+    median step without one), said once with Young/Daly's interval for ``train.failure_hours``, and
+    kept as a ``checkpoint_cost`` event."""
+
+    def __init__(self, progress: bool = True):
+        self.progress = progress
+        self.clean, self.flight = [], []  # step seconds without and with a save in flight (none compiling)
+        self.cost = None  # the save measured: {"step", "blocked"}, then done
+        self.program, self.t0, self.busy = None, 0.0, False
+
+    def before_update(self, loop, s: int) -> None:
+        self.busy, self.t0 = loop.rs.ckpts.saving(), time.perf_counter()
+
+    def after_update(self, loop, s: int, finite: bool) -> None:
+        if loop.program is not self.program:  # a step that compiled its program: not timed
+            self.program = loop.program
+            return
+        (self.flight if self.busy else self.clean).append(time.perf_counter() - self.t0)
 
     def after_step(self, loop, done: int, metrics) -> None:
         rs = loop.rs
         t = rs.cfg.train
+        if self.cost is not None and "said" not in self.cost and not rs.ckpts.saving():
+            self._say(rs)
         if done % t.checkpoint_every == 0 or done == rs.steps or done in t.keep_steps:
             # a new checkpoint is a new place to restore to: the guard may restore again, and the
             # checkpoint says so, or a run resumed from it would stop where this one restores
             rs.guard["restored"] = False
             phase("checkpoint")
+            self._settle(rs)  # the measured save still in flight: the loop waits for it here
+            t0 = time.perf_counter()
             rs.save(done)
+            if self.cost is None and done < rs.steps and self.clean:
+                self.cost, self.flight = {"step": done, "blocked": time.perf_counter() - t0}, []
+                if not rs.ckpts.saving():  # saved in the foreground: complete already
+                    self._say(rs)
+
+    def _say(self, rs) -> None:
+        """The measured save's cost, once: said, and kept as an event."""
+        c, t = self.cost, rs.cfg.train
+        step_s = float(sorted(self.clean)[len(self.clean) // 2])
+        extra = sum(max(x - step_s, 0.0) for x in self.flight)
+        c.update(said=True, save_s=c["blocked"] + extra, extra=extra, step_s=step_s, in_flight=len(self.flight))
+        how = (f"in the background: {c['blocked']:.2f} s blocked, {extra:.2f} s of slower steps ({len(self.flight)} "
+               "in flight)" if t.async_checkpoint else "the loop waited for it")  # fmt: skip
+        text = f"checkpoint at step {c['step']}: the save cost the run {c['save_s']:.2f} s ({how}); a step takes {step_s:.2f} s"
+        event = {"step": c["step"], "save_s": c["save_s"], "blocked_s": c["blocked"], "extra_s": extra,
+                 "steps_in_flight": len(self.flight), "step_s": step_s, "background": bool(t.async_checkpoint)}  # fmt: skip
+        if t.failure_hours > 0:
+            best = schedule.checkpoint_interval(c["save_s"], t.failure_hours * 3600)
+            steps = max(1, round(best / step_s))
+            text += (f"; for a failure every {t.failure_hours:g} h, Young/Daly's interval is {steps:,} steps "
+                     f"({best / 60:.1f} min; train.checkpoint_every is {t.checkpoint_every:,})")  # fmt: skip
+            event.update(failure_hours=t.failure_hours, interval_s=best, interval_steps=steps)
+        say(text, self.progress)
+        rs.run.event("checkpoint_cost", **event)
 
     def on_end(self, loop) -> None:
+        self._settle(loop.rs)
         loop.rs.ckpts.wait()  # the run never ends with a save in flight
+
+    def _settle(self, rs) -> None:
+        """The measured save, if still in flight: waited for, the wait counted in its cost, and said."""
+        if self.cost is not None and "said" not in self.cost:
+            t0 = time.perf_counter()
+            rs.ckpts.wait()
+            self.cost["blocked"] += time.perf_counter() - t0
+            self._say(rs)
 
     def close(self, loop, ended: bool) -> None:
         if not ended:
@@ -365,5 +423,5 @@ def default_callbacks(rs, *, progress: bool, trackers=(), stop=None, on_forecast
         ForecastRefits(rs.run, rs.forecast, rs.cfg, on_forecast_update, progress),
         Trackers(trackers),
         Health(rs, bar),
-        Checkpointer(),
+        Checkpointer(progress),
     ]
