@@ -14,6 +14,8 @@ HERE = Path(__file__).parent
 SCRIPTS = [
     ["moe_dispatch.py"],
     ["vs_transformers.py"],
+    # issue 42: shape B part by part against transformers, and each whole step profiled by op
+    ["vs_transformers_parts.py"],
     ["fault_detection.py"],
     ["drops_vs_context.py"],
     ["forecast_backtest.py"],

@@ -73,6 +73,7 @@ def torch_stepper(shape: dict, threads: int, seed: int = 0):
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    step.model = model  # for benchmarks/vs_transformers_parts.py
     return step, n_params
 
 
@@ -122,6 +123,9 @@ def worker(framework: str, shape: dict, threads: int, conn) -> None:
     conn.send(info)
     while (start := conn.recv()) is not None:
         conn.send(timed(step, start, conn.recv()))
+    import resource
+
+    conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # the worker's peak resident memory
 
 
 def main() -> None:
@@ -143,7 +147,8 @@ def main() -> None:
     from moelab.cache import matmul_peak
 
     results = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-               "threads": args.threads, "hugepages": hugepages_on(), "jax": jax.__version__, "torch": torch.__version__,
+               "threads": args.threads, "hugepages": hugepages_on(),
+               "malloc": os.environ.get("GLIBC_TUNABLES", ""), "jax": jax.__version__, "torch": torch.__version__,
                "transformers": transformers.__version__, "differences": DIFFERENCES, "shapes": {}}  # fmt: skip
     for name in args.shapes.split(","):
         shape = SHAPES[name]
@@ -166,6 +171,7 @@ def main() -> None:
             print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         for pipe in pipes.values():
             pipe.send(None)
+        rss = {fw: pipe.recv() for fw, pipe in pipes.items()}
         for proc in procs:
             proc.join()
         jt, tt = times["moelab"], times["transformers"]
@@ -180,6 +186,7 @@ def main() -> None:
             "moelab_step_s": float(np.median(jt)), "transformers_step_s": float(np.median(tt)),
             "moelab_compile_s": j_compile, "model_flops_per_token": flops, "matmul_peak_flops_per_s": peak,
             "moelab_mfu": j_tps * flops / peak, "transformers_mfu": t_tps * flops / peak,
+            "moelab_peak_rss_gb": rss["moelab"] / 1e9, "transformers_peak_rss_gb": rss["transformers"] / 1e9,
         }  # fmt: skip
         results["shapes"][name] = res
         print(

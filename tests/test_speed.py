@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moelab._alloc import TUNABLE, hugepage_env
+from moelab._alloc import KEEP, TUNABLE, hugepage_env
 
 # a jitted function with two 64 MiB temporaries, which XLA:CPU allocates on every call
 FAULTS = """
@@ -38,10 +38,12 @@ def faults_per_call(tunables: str) -> float:
 
 @needs_thp
 def test_huge_pages_remove_most_per_call_page_faults():
-    """128 MiB of temporaries is 32,768 fresh 4 KiB pages per call by default, 64 huge pages with the tunable."""
+    """128 MiB of temporaries is 32,768 fresh 4 KiB pages per call by default, 64 huge pages with the tunable,
+    and none once the heap keeps what is freed (MOELAB_MALLOC=keep)."""
     default, huge = faults_per_call(""), faults_per_call(TUNABLE)
     assert default > 16_000  # at least half the temporaries' pages faulted in again on every call
     assert huge < default / 20
+    assert faults_per_call(":".join((TUNABLE, *KEEP))) < huge / 4  # measured: 1-40 against 580
 
 
 def test_restart_environment():
@@ -52,6 +54,10 @@ def test_restart_environment():
     if env is not None:  # on a machine that has transparent huge pages
         assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TUNABLE}"
         assert hugepage_env(env) is None
+        keep = hugepage_env({"MOELAB_MALLOC": "keep"})
+        assert keep["GLIBC_TUNABLES"].split(":") == [TUNABLE, *KEEP] and hugepage_env(keep) is None
+    with pytest.raises(SystemExit, match="MOELAB_MALLOC='fast': give one of hugepages, keep, system"):
+        hugepage_env({"MOELAB_MALLOC": "fast"})
 
 
 def _loss_and_grads(cfg, key=0):

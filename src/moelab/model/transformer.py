@@ -140,9 +140,22 @@ def transformer_layer(
     Under FSDP the layer's weights are gathered here, inside any rematerialised region: a
     recomputed layer gathers them again rather than keeping every layer's whole weights alive."""
     p = pmesh.gathered(p, runtime)
+    x = x + attention_block(x, p, i=i, m=m, runtime=runtime, segments=segments)
+    h = rms_norm(x, p["mlp_norm"], m.norm_eps)
+    with jax.named_scope("moe"):
+        y, metrics, new_bias = moe_block(p, h, bias, m, dispatch, runtime)
+    if capture:
+        metrics = dict(metrics, moe_input=h)
+    return x + y, metrics, new_bias
+
+
+def attention_block(
+    x: jax.Array, p: dict, *, i: int, m: ModelConfig, runtime: pmesh.Runtime = pmesh.ONE, segments=None
+) -> jax.Array:
+    """Layer ``i``'s attention on its normed input (what the layer adds to x), its weights gathered."""
     h = rms_norm(x, p["attn_norm"], m.norm_eps)
     with jax.named_scope("attention"):  # scopes name the profiler's ops (benchmarks/profile_step.py)
-        a = attention(
+        return attention(
             p,
             h,
             n_heads=m.n_heads,
@@ -158,13 +171,6 @@ def transformer_layer(
             fused_qkv=runtime.expert_mesh is None,
             segments=segments,
         )
-    x = x + a
-    h = rms_norm(x, p["mlp_norm"], m.norm_eps)
-    with jax.named_scope("moe"):
-        y, metrics, new_bias = moe_block(p, h, bias, m, dispatch, runtime)
-    if capture:
-        metrics = dict(metrics, moe_input=h)
-    return x + y, metrics, new_bias
 
 
 SCAN_MIN_LAYERS = 12  # scan_layers: auto scans from this depth on CPU (measured: 6% slower unrolled at 4-8 layers)
