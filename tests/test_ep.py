@@ -502,6 +502,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(corpus, ep_run
     assert spans == [[0, 4], [4, 8]]
 
 
+@pytest.mark.slow  # 14 s: `make test-all` (CI) runs it; the forward and gradient equivalences stay in make test
 def test_ep_with_fsdp_training_equals_one_device_in_a_few_steps(corpus, tmp_path):
     """The default run's version of the slow CLI checks above: three steps in this process (its 8 host
     devices) on one device and on a 4 x 2 mesh (FSDP over data, experts over expert: the all-to-all

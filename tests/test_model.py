@@ -268,6 +268,7 @@ def test_the_suite_runs_the_moe_path_it_is_asked_for():
     assert cfg.model.moe_impl == (MOE_IMPL or "auto")
 
 
+@pytest.mark.slow  # 14 s: `make test-all` (CI) runs it; the training tests in make test learn too
 def test_tiny_overfits_one_batch():
     cfg = load_config("tiny", MOE_SET)
     m = cfg.model
