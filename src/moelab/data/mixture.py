@@ -101,7 +101,9 @@ def build_mixture(cfg: Config, store: TokenStore, steps: int | None = None, seed
     row = seq_len + 1
     padded = d.packing == "padded"
     for name, n in zip(domains, sizes, strict=True):
-        if n < (2 if padded else row):
+        if padded and n < 2:
+            raise DataError(f"{name}: no training document to pad into a row")
+        if not padded and n < row:
             raise DataError(f"{name}: only {int(n)} training tokens, fewer than model.seq_len + 1 = {row}")
     phases = len(d.phase_starts)
     table = np.zeros((phases, len(domains)))
