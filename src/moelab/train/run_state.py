@@ -140,6 +140,7 @@ class RunState:
                     rope = "RoPE unscaled" if scaling[0] == "none" else f"RoPE {scaling[0]} x{scaling[1]:g}"
                     say(f"step {step}: phase {phase} trains at {length} tokens a sequence, {pcfg.train.batch_size} "
                         f"sequences a batch ({rope}); compiling its step", self.progress)  # fmt: skip
+            targets = batch_targets(pcfg, self.store)  # (masked, eot) of the batches
             got = self.by_len[length] = {
                 "cfg": pcfg,
                 "step": make_train_step(
@@ -149,8 +150,8 @@ class RunState:
                     self.shardings,
                     mesh=self.mesh,
                     faults=self.injection is not None,
-                    masked=batch_targets(pcfg, self.store)[0],
-                    eot=batch_targets(pcfg, self.store)[1],
+                    masked=targets[0],
+                    eot=targets[1],
                 ),  # fmt: skip
                 "evaluator": None,
                 "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
