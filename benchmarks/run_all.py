@@ -30,6 +30,7 @@ SCRIPTS = [
     # issue 26: the token store against the tokenizer's own encode_batch, 1 core and all; 5M documents
     ["data_pipeline.py"],
     ["first_minute.py"],
+    ["cold_start.py"],
     ["memory_plan.py"],
     ["compile_depth.py"],
     ["attention_memory.py"],

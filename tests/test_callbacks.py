@@ -100,9 +100,50 @@ def test_the_loops_own_callbacks_in_their_order(corpus, tmp_path):
 
     probe = Probe()
     train(_cfg(corpus, "train.steps=1"), tmp_path / "run", progress=False, stop=lambda: False, callbacks=[probe])
-    assert probe.names == ["LeaseCheck", "NanGuard", "StepTimer", "ProgressBar", "CheckpointEvents", "MetricsLog",
+    assert probe.names == ["LeaseCheck", "NanGuard", "StepTimer", "ProgressBar", "StepPrecompile", "CheckpointEvents",
+                           "MetricsLog",
                            "Evaluations", "ForecastRefits", "Trackers", "Health", "Checkpointer", "Probe"]  # fmt: skip
     assert C.FAULT_ENV == "MOELAB_TEST_FAULTS"
+
+
+def test_the_step_compiles_beside_the_initial_eval_and_step_1_compiles_nothing(corpus, tmp_path, monkeypatch):
+    """StepPrecompile: the step is traced and compiled in its own thread while the initial model is
+    evaluated; the first update (main thread) then neither traces nor compiles anything (jit's call
+    reuses the thread's executable), and the run's losses are those of a run without the thread."""
+    import threading
+
+    import jax.monitoring
+
+    seen = []  # ("update", s) markers and (event, thread) of every trace/compile JAX reports
+
+    def listen(event, duration, **kw):
+        if "compile" in event or "trace" in event:
+            seen.append((event, threading.current_thread().name))
+
+    class Window:
+        def before_update(self, loop, s):
+            seen.append(("before_update", s))
+
+        def after_update(self, loop, s, finite):
+            seen.append(("after_update", s))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        cfg = _cfg(corpus, "train.steps=2", "train.seed=11")
+        train(cfg, tmp_path / "run", progress=False, callbacks=[Window()])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    first = seen.index(("before_update", 0))
+    in_thread = [e for e, who in seen[:first] if who == "moelab-step-compile"]
+    assert any("trace" in e for e in in_thread), seen[:first]  # the step was traced (and lowered) there
+    assert seen[first + 1] == ("after_update", 0), seen[first:]  # nothing traced or compiled at step 1
+
+    # without the thread (the step compiled at step 1, as before): the same losses, to the bit
+    plain = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    monkeypatch.setattr(C.StepPrecompile, "on_start", lambda self, loop: None)
+    train(cfg, tmp_path / "run2", progress=False)
+    again = [r["loss"] for r in read_jsonl(tmp_path / "run2" / "metrics.jsonl") if r["kind"] == "train"]
+    assert plain == again
 
 
 def test_the_production_step_takes_no_fault_arguments():

@@ -16,9 +16,9 @@ in the order of its list (``default_callbacks``), at these points:
 - ``close(loop, ended)``: always, last (``ended`` False when the run failed).
 
 The order of ``default_callbacks``: the lease check, the test faults (MOELAB_TEST_FAULTS), the NaN
-guard, the step timer, the progress bar, checkpoint events, the metrics log, the held-out
-evaluations, forecast refits, the trackers, the health checks, then checkpoint saves; a user's own
-callbacks come last.
+guard, the step timer, the progress bar, the step's compile (beside the initial evaluation),
+checkpoint events, the metrics log, the held-out evaluations, forecast refits, the trackers, the
+health checks, then checkpoint saves; a user's own callbacks come last.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
+import numpy as np
 
 from moelab import schedule
 from moelab.errors import RunError
@@ -182,6 +184,36 @@ class ProgressBar(Callback):
 
     def on_end(self, loop) -> None:
         self.bar.close()
+
+
+class StepPrecompile(Callback):
+    """The train step compiled in a thread while the initial model is evaluated (the evaluator compiles
+    and runs on the main thread beside it), so step 1 does not wait for it after the evaluation; the
+    first update waits for the thread. jit's call reuses the executable the thread compiled. Not with
+    fault injection (its step takes other arguments) nor when the run makes no initial evaluation."""
+
+    def __init__(self):
+        self.thread = None
+
+    def on_start(self, loop) -> None:
+        rs = loop.rs
+        if rs.injection is not None or rs.start != 0 or rs.cursor_ok or rs.start >= rs.steps:
+            return
+        fn, batch = rs.at_length(rs.start)["step"], rs.batch(rs.start)
+
+        def compile_step():
+            try:
+                fn.lower(rs.state, batch, np.int32(rs.start)).compile()
+            except Exception:  # noqa: BLE001 - the first update compiles it again and raises the error itself
+                pass
+
+        self.thread = threading.Thread(target=compile_step, name="moelab-step-compile", daemon=True)
+        self.thread.start()
+
+    def before_update(self, loop, s: int) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 class CheckpointEvents(Callback):
@@ -417,6 +449,7 @@ def default_callbacks(rs, *, progress: bool, trackers=(), stop=None, on_forecast
         NanGuard(),
         timer,
         bar,
+        StepPrecompile(),
         CheckpointEvents(),
         MetricsLog(timer, bar),
         Evaluations(progress),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import jax
@@ -189,19 +190,46 @@ def _check_fault_domains(cfg: Config) -> None:
 
 
 def prepare(cfg: Config, run: RunDir, mesh, progress: bool, resume: bool, task_sets: dict, test_faults=None):
-    """The run state, phase by phase: the data, the state (fresh or restored), the launch."""
-    store, mixture = _prepare_data(cfg, run, progress)
-    rs = _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_sets, test_faults)
-    _launch(rs)
-    return rs
-
-
-def _prepare_data(cfg: Config, run: RunDir, progress: bool):
-    """The token store (built once, cached) and the mixture; the run's config.json."""
+    """The run state, phase by phase: the data, the state (fresh or restored), the launch. The fresh
+    state is initialised in a thread beside the data's preparation (a cold store's tokenizer training
+    and tokenizing leave a core free part of the time); the state phase takes it when it is done."""
     if jax.process_count() == 1 or jax.default_backend() != "cpu":
         # XLA:CPU's cached programs hang a multi-process job at its first step on a relaunch or resume
         # (measured: the same resume without the cache finishes); such a job compiles at every launch
         enable_compile_cache()
+    h = optim.hyper(cfg)
+    opt = optim.make_optimizer(cfg, h)
+    fresh = Beside(lambda: init_train_state(cfg, opt), "moelab-init")
+    store, mixture = _prepare_data(cfg, run, progress)
+    rs = _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_sets, test_faults, (h, opt, fresh))
+    _launch(rs)
+    return rs
+
+
+class Beside:
+    """``fn()`` run in a daemon thread from now; ``get()`` waits for its value (or raises its error)."""
+
+    def __init__(self, fn, name: str):
+        self.value, self.error = None, None
+
+        def work():
+            try:
+                self.value = fn()
+            except BaseException as exc:  # noqa: BLE001 - raised again by get(), on the caller's thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=work, name=name, daemon=True)
+        self.thread.start()
+
+    def get(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _prepare_data(cfg: Config, run: RunDir, progress: bool):
+    """The token store (built once, cached) and the mixture; the run's config.json."""
     _check_fault_domains(cfg)
     store = build_store(cfg.data, cfg.model.vocab_size, progress=progress)
     mixture = build_mixture(cfg, store)
@@ -217,15 +245,15 @@ def _prepare_data(cfg: Config, run: RunDir, progress: bool):
     return store, mixture
 
 
-def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_sets, test_faults) -> RunState:
+def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_sets, test_faults, made) -> RunState:
     """A fresh state, or the newest complete checkpoint's (with the data position, the NaN guard's
-    memory and the metrics cut back to its cursor)."""
+    memory and the metrics cut back to its cursor). ``made``: (hyper-parameters, optimiser, the fresh
+    state being initialised beside the data's preparation)."""
     phase("state")
     say("building the model and optimiser state" + (" (or restoring the newest checkpoint)" if resume else ""),
         progress)  # fmt: skip
-    h = optim.hyper(cfg)
-    opt = optim.make_optimizer(cfg, h)
-    state = init_train_state(cfg, opt)
+    h, opt, fresh = made
+    state = fresh.get()
     if mesh is not None:  # by the rules table: FSDP over `data`, experts also over `expert`
         state = pmesh.shard_tree(state, mesh, cfg.mesh.fsdp)
     state = offload_state(state, cfg)  # train.offload: the optimizer state in host memory
