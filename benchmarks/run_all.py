@@ -14,6 +14,8 @@ HERE = Path(__file__).parent
 SCRIPTS = [
     ["moe_dispatch.py"],
     ["vs_transformers.py"],
+    # issue 42: two more shapes, narrow with many experts and wide with few
+    ["vs_transformers.py", "--shapes", "C,D", "--out", str(HERE / "results" / "vs_transformers_cd.json")],
     # issue 42: shape B part by part against transformers, and each whole step profiled by op
     ["vs_transformers_parts.py"],
     ["fault_detection.py"],

@@ -10,10 +10,11 @@ threads keep spinning after each op and took about a quarter of moelab's speed (
 The models differ in small ways, stated in the output: Qwen2-MoE gates its shared expert with a
 sigmoid of a learned projection and has biases on q, k and v; its loss covers seq - 1 positions
 of each sequence (it shifts the labels itself) where moelab's covers seq; moelab's router keeps a
-balancing bias (a few scalars). Shapes A and B are the issue's reference shapes.
+balancing bias (a few scalars). Shapes A and B are the issue's reference shapes; C (narrow, 64 small
+experts) and D (wide, 8 large ones) span widths and expert counts (issue 42).
 
 Needs the benchmark extra: pip install -e '.[bench]' (torch, transformers). Writes
-benchmarks/results/vs_transformers.json.
+benchmarks/results/vs_transformers.json (or --out).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SHAPES = {
               shared_dim=256, seq=256, batch=8, vocab=4096),
     "B": dict(d_model=512, layers=8, heads=8, kv_heads=8, experts=32, top_k=4, expert_dim=256, shared=1,
               shared_dim=512, seq=512, batch=8, vocab=8192),
+    # issue 42's two more: narrow with many small experts, and wide with few large ones
+    "C": dict(d_model=128, layers=4, heads=4, kv_heads=4, experts=64, top_k=8, expert_dim=64, shared=1,
+              shared_dim=128, seq=256, batch=16, vocab=4096),
+    "D": dict(d_model=1024, layers=4, heads=16, kv_heads=16, experts=8, top_k=2, expert_dim=1024, shared=1,
+              shared_dim=1024, seq=256, batch=4, vocab=16384),
 }  # fmt: skip
 DIFFERENCES = (
     "Qwen2-MoE gates its shared expert (sigmoid of a learned projection) and has q/k/v biases; "
@@ -134,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per round and framework")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", type=Path, default=RESULTS / "vs_transformers.json", help="the results file")
     args = ap.parse_args()
     try:
         import torch  # noqa: F401
@@ -196,8 +203,8 @@ def main() -> None:
             flush=True,
         )
     print(f"differences: {DIFFERENCES}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_transformers.json").write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
