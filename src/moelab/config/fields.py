@@ -15,6 +15,7 @@ SCAN_LAYERS = ("auto", "scan", "unrolled")
 DROP_ORDERS = ("position", "score")
 DTYPES = ("auto", "float32", "bfloat16")
 OFFLOADS = ("none", "optimizer", "layer_inputs", "all")
+CKPT_WRITERS = ("thread", "process")  # train.checkpoint_writer
 MATMUL_PRECISIONS = ("default", "high", "highest")
 REMATS = ("none", "layer", "each_layer")
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")  # moelab.model.layers.rope_frequencies

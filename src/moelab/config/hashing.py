@@ -47,16 +47,18 @@ HASH_NEUTRAL = {
     ("train", "task_eval_samples"): 1,  # never hashed (below); neutral for the lab's step identities
     ("data", "packing"): "packed",  # documents end to end, as every run before the field
     ("train", "failure_hours"): 0.0,  # advice printed, nothing computed changes (never hashed, below)
+    ("train", "checkpoint_writer"): "thread",  # who writes the same checkpoint (never hashed, below)
 }  # spill_choices changes what spill does: it is hashed
 # of those, the fields added after the lab's step identities were recorded (moelab.lab.steps): at their
 # neutral value they leave out of a step's identity too, so a finished step is still found
 LAB_NEUTRAL = {
     ("train", "data_seed"), ("train", "init_from"), ("train", "task_eval_samples"), ("data", "packing"),
-    ("train", "failure_hours"),
+    ("train", "failure_hours"), ("train", "checkpoint_writer"),
 }  # fmt: skip
 # fields never hashed: what is evaluated beside the loss changes nothing a run trains
 NEVER_HASHED = {
     ("train", "task_evals"), ("train", "task_eval_examples"), ("train", "task_eval_samples"), ("train", "failure_hours"),
+    ("train", "checkpoint_writer"),
 }  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moelab.config.faults import parse as parse_fault
-from moelab.config.fields import OFFLOADS, OPTIMIZERS, SCHEDULES, _f
+from moelab.config.fields import CKPT_WRITERS, OFFLOADS, OPTIMIZERS, SCHEDULES, _f
 from moelab.schedule import parse_replans
 
 
@@ -125,6 +125,11 @@ class TrainConfig:
     async_checkpoint: bool = _f(
         True, "Save checkpoints in the background while training goes on. false: the step waits for each save."
     )
+    checkpoint_writer: str = _f(
+        "thread",
+        "Who writes a checkpoint: thread (Orbax's background thread in the training process) or process (a process of its own at idle priority, from a copy of the state in shared memory: the steps beside a save stay nearly as fast on a machine with few cores; a single-process job).",
+        CKPT_WRITERS,
+    )
     checkpoint_dir: str = _f(
         "",
         "Where checkpoints go; \"\" = the run's ckpt/ folder. Else any path Orbax's file layer takes (such as gs://...).",
@@ -222,6 +227,8 @@ class TrainConfig:
                 f"train.micro_batch: {t.micro_batch} does not divide train.batch_size={t.batch_size}; "
                 "use a divisor (or 0 for the whole batch)"
             )
+        if t.checkpoint_writer not in CKPT_WRITERS:
+            e.append(f"train.checkpoint_writer: must be thread or process, got {t.checkpoint_writer!r}")
         if t.offload not in OFFLOADS:
             e.append(f"train.offload: must be one of {', '.join(map(repr, OFFLOADS))}, got {t.offload!r}")
         if t.muon_lr_ratio <= 0:

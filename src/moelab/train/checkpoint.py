@@ -35,6 +35,7 @@ What holds:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -220,7 +221,9 @@ class Checkpoints:
     ``keep_last`` (all when 0), every ``keep_every``-th step (none when 0) and ``keep_steps`` stay;
     the others go once a newer checkpoint is complete. ``on_complete(info)`` hears of each complete
     save (step, path, started, completed, seconds, background), on the caller's thread.
-    ``fault_hook(point, step)``: see ``_temporary_path_class``."""
+    ``fault_hook(point, step)``: see ``_temporary_path_class``. ``writer``: ``thread`` (Orbax's own
+    background thread) or ``process`` (``moelab.train.ckpt_writer``: a process at idle priority
+    writes each save, from a copy of the state in shared memory, through a Checkpoints of its own)."""
 
     def __init__(
         self,
@@ -231,6 +234,7 @@ class Checkpoints:
         background: bool = True,
         on_complete: Callable[[dict], None] | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
+        writer: str = "thread",
     ):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as pp
@@ -239,10 +243,23 @@ class Checkpoints:
         self.on_complete, self.fault_hook = on_complete, fault_hook
         self.primary = jax.process_index() == 0  # in a multi-process job every process writes its shards
         self._pending: dict | None = None  # the save in flight
+        self.writer = None  # writer "process": the saves go to moelab.train.ckpt_writer's process
+        if writer == "process":
+            if fault_hook is not None:
+                raise ValueError("a fault hook inside a save needs the thread writer (train.checkpoint_writer: thread)")
+            from moelab.train.ckpt_writer import ProcessWriter
+
+            self.writer = ProcessWriter(functools.partial(Checkpoints, root, keep_last, keep_every, tuple(keep_steps),
+                                                          background=False))  # fmt: skip
+        elif writer != "thread":
+            raise ValueError(f"train.checkpoint_writer: must be thread or process, got {writer!r}")
         if self.primary:
             self.root.mkdir(parents=True, exist_ok=True)
             self._recover()
         _sync("ckpt-open")
+        self.manager = None
+        if self.writer is not None:  # the writer's own Checkpoints holds the manager
+            return
         keep = [pp.LatestN(n=keep_last or None), pp.CustomSteps(steps=list(keep_steps))]
         if keep_every:
             keep.append(pp.EveryNSteps(interval_steps=keep_every))
@@ -293,6 +310,12 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self.wait()  # one save at a time
+        if self.writer is not None:  # set aside, written and pruned there, as below
+            self._pending = {"step": step, "started": time.time(), "replaced": None}
+            self.writer.send(step, state, meta)
+            if not self.background:
+                self.wait()
+            return
         final = self.root / f"step_{step:08d}"
         old = final.with_name(final.name + ".replaced")
         _stage("start", step)
@@ -314,16 +337,25 @@ class Checkpoints:
 
     def poll(self) -> None:
         """Report a background save that has completed (never waits)."""
-        if self._pending is not None and not self.manager.is_saving_in_progress():
+        if self._pending is not None and not self.in_flight():
             self.wait()
+
+    def in_flight(self) -> bool:
+        """Whether a save is still being written (complete ones not yet reported are not)."""
+        if self.writer is not None:
+            return self._pending is not None and not self.writer.ready()
+        return self.manager.is_saving_in_progress()
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and report it; its error, if it failed, is raised here."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        self.manager.wait_until_finished()  # raises the background save's error
-        self.manager.check_for_errors()
+        if self.writer is not None:
+            self.writer.result()  # raises the writer's error
+        else:
+            self.manager.wait_until_finished()  # raises the background save's error
+            self.manager.check_for_errors()
         if self.primary and pending["replaced"] is not None and pending["replaced"].exists():
             _rmtree(pending["replaced"])
         _sync(f"ckpt-done-{pending['step']}")
@@ -357,7 +389,10 @@ class Checkpoints:
         try:
             self.wait()
         finally:
-            self.manager.close()
+            if self.writer is not None:
+                self.writer.close()
+            else:
+                self.manager.close()
 
 
 def _rmtree(p) -> None:

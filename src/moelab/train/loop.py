@@ -153,6 +153,7 @@ def train(
     if cfg.train.init_from:  # a parent without that checkpoint, or of other shapes: refused before anything is written
         check_parent(cfg)
     test_faults = TestFaults.from_env(run)
+    _check_writer(cfg, test_faults)
     rs = prepare(cfg, run, mesh, progress, resume, task_sets, test_faults)
     loop = Loop(rs, [*default_callbacks(rs, progress=progress, trackers=trackers, stop=stop,
                                         on_forecast_update=on_forecast_update, test_faults=test_faults),
@@ -175,6 +176,17 @@ def _task_sets(cfg: Config) -> dict:
     n = cfg.train.task_eval_examples
     return {k: [v[i] for i in np.linspace(0, len(v) - 1, n).round().astype(int)] if 0 < n < len(v) else v
             for k, v in every.items()}  # fmt: skip
+
+
+def _check_writer(cfg: Config, test_faults) -> None:
+    """train.checkpoint_writer process: a single-process job, without test faults inside a save."""
+    if cfg.train.checkpoint_writer != "process":
+        return
+    if jax.process_count() > 1:
+        raise RunRefused("train.checkpoint_writer: process takes a single-process job (each process of a "
+                         f"{jax.process_count()}-process job writes its own shards); use thread")  # fmt: skip
+    if test_faults is not None and any(kind.endswith("_in_save") for kind, _ in test_faults.faults):
+        raise RunRefused(f"{FAULT_ENV}: a fault inside a save needs train.checkpoint_writer: thread")
 
 
 def _check_fault_domains(cfg: Config) -> None:
@@ -273,9 +285,10 @@ def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_set
     if resume and saved and found is None:
         raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores; the run cannot resume")
     # the journal's checkpoint event is written once a checkpoint is complete (a background save's later)
-    in_save = test_faults.hook if test_faults is not None else None
+    in_save = test_faults.hook if test_faults is not None and t.checkpoint_writer == "thread" else None
     ckpts = checkpoint.Checkpoints(run.ckpt, t.keep_last, t.keep_every, t.keep_steps, t.async_checkpoint,
-                                   lambda info: run.event("checkpoint", **info), in_save)  # fmt: skip
+                                   lambda info: run.event("checkpoint", **info), in_save,
+                                   writer=t.checkpoint_writer)  # fmt: skip
     rs = RunState(cfg=cfg, run=run, mesh=mesh, progress=progress, store=store, mixture=mixture, h=h, opt=opt,
                   state=state, ckpts=ckpts, start=0, skip=set(), guard={"consecutive": 0, "restored": False},
                   cursor_ok=False, fresh=found is None, task_sets=task_sets, injection=None,
