@@ -225,6 +225,11 @@ def pages() -> dict[str, str | Path]:
     ]
     for date, stem, what in sorted(rows, key=lambda r: (r[0], r[1]), reverse=True):
         index.append(f"| {date} | [{stem.replace('_', ' ')}]({stem}.md) | {fmt(what)} |")
+    # issue 42's figures together, each with its target and prediction
+    from speed_page import speed_page
+
+    files["speed.md"] = speed_page()
+    index.insert(6, "The speed figures together, each beside its target and prediction: [Speed](speed.md).\n")
     files["index.md"] = "\n".join(index) + "\n"
     return files
 

@@ -10,7 +10,7 @@ round by round, idle while the other runs (see vs_transformers.py for why). Timi
 
     python benchmarks/vs_transformers_parts.py [--shape B] [--rounds 3]
 
-Writes benchmarks/results/vs_transformers_parts.json. Needs the benchmark extra (torch, transformers).
+Writes benchmarks/results/vs_transformers_parts.json (or --out). Needs the benchmark extra (torch, transformers).
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=15, help="costliest ops listed per framework")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", type=Path, default=RESULTS / "vs_transformers_parts.json", help="the results file")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     ctx = mp.get_context("spawn")
@@ -202,7 +203,7 @@ def main() -> None:
         "transformers_profile": {"top_ops": profiles["transformers"]},
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_transformers_parts.json").write_text(json.dumps(res, indent=1) + "\n")
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
     print(
         f"{'part':10s} {'moelab fwd':>11s} {'torch fwd':>10s} {'moelab f+b':>11s} {'torch f+b':>10s} {'ratio f+b':>10s}"
     )

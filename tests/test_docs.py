@@ -13,6 +13,7 @@ conventions are in docs/index.md.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -288,6 +289,37 @@ def test_results_page_renders_figures_as_written():
         "|  | loss | tok_s |\n|---|---|---|\n| a | 3.41 | 18,600 |\n| b | 3.5 |  |\n"
     )
     assert rp.fmt(1.5e-5) == "1.5e-05" and rp.fmt(True) == "true" and rp.fmt(None) == "-"
+
+
+def test_the_speed_page_shows_every_measured_figure_beside_its_target():
+    """docs/results/speed.md (benchmarks/speed_page.py): each shape's ratio, each writer's ratio and
+    each cold process's first step, as the results files hold them, each said met or missed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import speed_page
+    finally:
+        sys.path.pop(0)
+    text = speed_page.speed_page()
+    results = ROOT / "benchmarks" / "results"
+    rows = 0
+    for name in ("vs_transformers", "vs_transformers_cd"):
+        path = results / f"{name}.json"
+        if not path.exists():
+            continue
+        for shape, r in json.loads(path.read_text())["shapes"].items():
+            verdict = "met" if r["ratio"] >= 1.0 else "missed"
+            line = next(x for x in text.splitlines() if x.startswith(f"| {shape} |") and "huge pages" in x)
+            assert f"**{r['ratio']:.2f}x** ({verdict})" in line, line
+            rows += 1
+    assert rows >= 2  # shapes A and B at least
+    ck = json.loads((results / "checkpoint_async.json").read_text())
+    for w, f in ck["writers"].items():
+        verdict = "met" if f["ratio"] <= ck["target_ratio"] else "missed"
+        assert f"| {w} | **{f['ratio']:.2f}x** ({verdict}) |" in text
+    cold = json.loads((results / "cold_start.json").read_text())
+    for kind, by in cold["results"].items():
+        assert f"| {kind} | **{by['now']['first_step_s']:.1f} s** (" in text
+    assert text.count("Predictions: `") == 3  # each section names its registered predictions
 
 
 def test_readme_links_reach_files():

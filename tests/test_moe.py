@@ -10,9 +10,11 @@ import pytest
 from moelab.config import config_from_dict
 from moelab.model import router as rt
 from moelab.model.moe import (
+    LOOP_MIN_EXPERTS,
     block_plan,
     cover_plan,
     cover_sizes,
+    dropless,
     dropless_blocks,
     dropless_gathered,
     dropless_loop,
@@ -312,6 +314,23 @@ def test_router_metrics_hand_case():
     # two of four equally likely: entropy log 2 of log 4
     half = rt.router_entropy(jnp.log(jnp.array([[0.5, 0.5, 0.0, 0.0]])))
     assert float(half) == pytest.approx(0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("e,f,path", [(8, 10, "blocks"), (LOOP_MIN_EXPERTS, 10, "loop"), (8, 136, "loop")])
+def test_auto_takes_the_loop_for_large_experts_or_many_small_ones_on_cpu(e, f, path):
+    """model.moe_impl auto on CPU: the loop from 128 x 128 experts or from LOOP_MIN_EXPERTS experts
+    (the batched blocks pad a block per expert and gather a weight copy per block), blocks below."""
+    key = jax.random.split(jax.random.PRNGKey(3), 6)
+    t, k, din = 64, 2, 128
+    h = jax.random.normal(key[0], (t, din))
+    idx = jax.lax.top_k(jax.random.normal(key[1], (t, e)), k)[1]
+    gates = jax.nn.softmax(jax.random.normal(key[2], (t, k)))
+    w = {"w_gate": jax.random.normal(key[3], (e, din, f)) / 8, "w_up": jax.random.normal(key[4], (e, din, f)) / 8,
+         "w_down": jax.random.normal(key[5], (e, f, din)) / 8}  # fmt: skip
+    got = np.asarray(jax.jit(lambda h, w: dropless(h, idx, gates, w))(h, w))
+    want = {p: np.asarray(jax.jit(lambda h, w, p=p: dropless(h, idx, gates, w, p))(h, w)) for p in ("blocks", "loop")}
+    assert not np.array_equal(want["blocks"], want["loop"])  # the two paths round differently: tells them apart
+    assert np.array_equal(got, want[path])
 
 
 @pytest.mark.parametrize(

@@ -291,21 +291,28 @@ def dropless_gathered(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict) -
 
 
 LOOP_MIN_EXPERT_SIZE = 128 * 128  # din x f at which the loop beats one batched matmul on CPU
+# experts from which the loop is taken whatever their size: with many small experts the batched blocks
+# compute half again as many rows as there are assignments (a padding block per expert) and gather a
+# weight copy per block. Measured 2026-12-07 (4,096 tokens, d 128, f 64, fwd+bwd): 64 experts top-8,
+# loop 115 ms against blocks 149-170 ms; 8 experts top-2, loop 27 ms against 42 ms, where blocks stay
+# (the tiny preset's path and numbers, and its compile time, which that pilot did not measure)
+LOOP_MIN_EXPERTS = 32
 
 
 def dropless(h: jax.Array, idx: jax.Array, gates: jax.Array, w: dict, impl: str = "auto") -> jax.Array:
     """Dropless dispatch by ``impl`` (``model.moe_impl``): ``auto`` is ragged_dot where the backend
-    has grouped matmuls; on CPU the loop over used blocks for experts of at least 128 x 128, the
-    batched blocks below that (tiny experts: the loop's per-block cost and compile time outweigh
-    what it saves); with fewer assignments than experts (a decoding step), each token's experts'
+    has grouped matmuls; on CPU the loop over used blocks for experts of at least 128 x 128 or for
+    32 experts and more, the batched blocks below that (a few tiny experts: kept for the compile
+    time and the numbers of the runs made so; the loop ran faster in a pilot there too); with fewer assignments than experts (a decoding step), each token's experts'
     weights gathered (``dropless_gathered``). All give the same numbers (tests/test_moe.py)."""
     if impl != "auto":
         return {"ragged": dropless_ragged, "blocks": dropless_blocks, "loop": dropless_loop}[impl](h, idx, gates, w)
     if idx.size <= w["w_gate"].shape[0]:  # fewer assignments than experts (decoding): gather their weights
         return dropless_gathered(h, idx, gates, w)
     if jax.default_backend() == "cpu":
-        din, f = w["w_gate"].shape[1:]
-        return dropless_loop(h, idx, gates, w) if din * f >= LOOP_MIN_EXPERT_SIZE else dropless_blocks(h, idx, gates, w)
+        n_experts, din, f = w["w_gate"].shape
+        loop = din * f >= LOOP_MIN_EXPERT_SIZE or n_experts >= LOOP_MIN_EXPERTS
+        return dropless_loop(h, idx, gates, w) if loop else dropless_blocks(h, idx, gates, w)
     return dropless_ragged(h, idx, gates, w)
 
 
