@@ -22,10 +22,10 @@ def _predictions(prefix: str) -> str:
     return ", ".join(f"`{n}`" for n in found) if found else "none registered"
 
 
-def _step_rows(name: str, d: dict, shapes: dict, setting: str) -> list[str]:
+def _step_rows(name: str, d: dict, shapes: dict, setting: str, shape_of: dict) -> list[str]:
     rows = []
     for shape, r in shapes.items():
-        s = r["shape"]
+        s = r.get("shape") or shape_of[shape]
         ok = "met" if r["ratio"] >= 1.0 else "missed"
         rows.append(
             f"| {shape} | {s['d_model']} | {s['layers']} | {s['experts']} ({s['top_k']}) | {s['seq']} x {s['batch']} "
@@ -46,10 +46,12 @@ def step_section() -> list[str]:
         d = _load(name)
         if d is None:
             continue
-        out += _step_rows(name, d, d["shapes"], "default (huge pages)")
+        shape_of = {k: r["shape"] for k, r in d["shapes"].items()}
+        out += _step_rows(name, d, d["shapes"], "default (huge pages)", shape_of)
         keep = d.get("with_malloc_keep")
-        if isinstance(keep, dict) and keep.get("shapes"):
-            out += _step_rows(name, keep, keep["shapes"], "`MOELAB_MALLOC=keep`")
+        if isinstance(keep, dict) and keep.get("shapes"):  # the same shapes, so their sizes are the run's
+            out += _step_rows(name, {"date": keep.get("date", d.get("date", ""))}, keep["shapes"],
+                              "`MOELAB_MALLOC=keep`", shape_of)  # fmt: skip
     out.append(f"\nPredictions: {_predictions('vs_transformers')}, each on its result's page.\n")
     for path in sorted(RESULTS.glob("vs_transformers_parts*.json")):
         p = json.loads(path.read_text())

@@ -144,6 +144,7 @@ def test_checkpoint_writer_is_checked_and_never_hashed():
         load_config("tiny", [*MICRO, "train.checkpoint_writer=fast"])
 
 
+@pytest.mark.slow  # 19 s: three short runs (CI's make test-all runs it)
 def test_a_run_with_the_writer_process_is_the_run_with_the_thread_writer_and_resumes(corpus, tmp_path):
     sets = [*MICRO, f"data.sources=[{corpus['code']}]", "train.steps=4", "train.checkpoint_every=2",
             "train.keep_last=2"]  # fmt: skip
