@@ -30,7 +30,7 @@ from first_minute import process_phases, stamped  # noqa: E402 - the same stampi
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
-BASELINE = "fba8225"  # main before the step's compile beside the initial evaluation and the state beside the store
+BASELINE = "fba8225"  # main before the step's compile beside the initial evaluation and the state beside the store (--baseline to compare another)
 STEPS = "2"
 
 
