@@ -189,20 +189,14 @@ class ProgressBar(Callback):
 class StepPrecompile(Callback):
     """The train step compiled in a thread while the initial model is evaluated (the evaluator compiles
     and runs on the main thread beside it), so step 1 does not wait for it after the evaluation; the
-    first update waits for the thread. jit's call reuses the executable the thread compiled. Where
-    the run started that compile earlier, from abstract inputs beside the state's initialisation or
-    restore (``rs.compiling``, loop.prepare), it is that thread that the first update waits for.
-    Otherwise not with fault injection (its step takes other arguments) nor without an initial
-    evaluation."""
+    first update waits for the thread. jit's call reuses the executable the thread compiled. Not with
+    fault injection (its step takes other arguments) nor when the run makes no initial evaluation."""
 
     def __init__(self):
         self.thread = None
 
     def on_start(self, loop) -> None:
         rs = loop.rs
-        if rs.compiling is not None:  # started from abstract inputs before the state was made (loop.prepare)
-            self.thread = rs.compiling.thread
-            return
         if rs.injection is not None or rs.start != 0 or rs.cursor_ok or rs.start >= rs.steps:
             return
         fn, batch = rs.at_length(rs.start)["step"], rs.batch(rs.start)
@@ -220,6 +214,9 @@ class StepPrecompile(Callback):
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+
+    def close(self, loop, ended: bool) -> None:
+        self.before_update(loop, 0)  # a run failing before step 1: JAX compiling in a thread at exit aborts
 
 
 class CheckpointEvents(Callback):

@@ -35,7 +35,7 @@ from moelab.train import checkpoint, optim
 from moelab.train.callbacks import FAULT_ENV, TestFaults, default_callbacks  # noqa: F401 - FAULT_ENV importable
 from moelab.train.core import Loop
 from moelab.train.init_from import check_parent, init_state
-from moelab.train.run_state import Injection, RunState, step_entry
+from moelab.train.run_state import Injection, RunState
 from moelab.train.step import init_train_state, offload_state
 from moelab.train.summary import device_peak, matmul_dtype, set_matmul_precision, summarize  # noqa: F401
 
@@ -212,35 +212,14 @@ def prepare(cfg: Config, run: RunDir, mesh, progress: bool, resume: bool, task_s
     h = optim.hyper(cfg)
     opt = optim.make_optimizer(cfg, h)
     fresh = Beside(lambda: init_train_state(cfg, opt), "moelab-init")
-    store, mixture = _prepare_data(cfg, run, progress)
-    early = None if resume or cfg.train.init_from else _compile_early(cfg, mesh, h, opt, store)
+    try:
+        store, mixture = _prepare_data(cfg, run, progress)
+    except BaseException:
+        fresh.thread.join()  # JAX still computing in a thread when the interpreter exits aborts the process
+        raise
     rs = _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_sets, test_faults, (h, opt, fresh))
-    if early is not None and rs.injection is None:
-        rs.by_len[rs.lens[0]], rs.compiling = early
     _launch(rs)
     return rs
-
-
-def _compile_early(cfg: Config, mesh, h, opt, store):
-    """(the first phase's step entry, its compile under way in a thread from abstract inputs), beside
-    the state's initialisation and the initial evaluation; None where the step's inputs are not known
-    before the state is (a mesh, host offload, fault injection, several lengths). Not on a resume or
-    from a parent's weights: restored arrays are committed to their device, and jit would compile
-    the step again for them (measured)."""
-    t = cfg.train
-    if mesh is not None or t.offload != "none" or t.inject or t.poison_steps or len(set(phase_seq_lens(cfg))) > 1:
-        return None
-    entry = step_entry(cfg, opt, h, store)
-    state = jax.eval_shape(lambda: init_train_state(cfg, opt))
-    batch = jax.ShapeDtypeStruct((t.batch_size, cfg.model.seq_len + 1), np.int32)
-
-    def compile_step():
-        try:
-            entry["step"].lower(state, batch, np.int32(0)).compile()
-        except Exception:  # noqa: BLE001 - the first update compiles it again and raises the error itself
-            pass
-
-    return entry, Beside(compile_step, "moelab-step-compile")
 
 
 class Beside:

@@ -57,18 +57,6 @@ class Injection:
         return fn(state, batch, np.int32(s), {**self.inj.step_args(s), "poison": np.bool_(s in self.poison)})
 
 
-def step_entry(pcfg: Config, opt, h, store, shardings=None, mesh=None, faults: bool = False) -> dict:
-    """A phase's config, its train step (jitted, compiled on first use), its evaluator (made when
-    first needed) and its training FLOPs per token."""
-    masked, eot = batch_targets(pcfg, store)  # (masked, eot) of the batches
-    return {
-        "cfg": pcfg,
-        "step": make_train_step(pcfg, opt, h, shardings, mesh=mesh, faults=faults, masked=masked, eot=eot),
-        "evaluator": None,
-        "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
-    }
-
-
 @dataclass
 class RunState:
     """One training process's run (see the module's docstring)."""
@@ -99,7 +87,6 @@ class RunState:
     peak_source: str = ""
     by_len: dict = field(default_factory=dict)  # per sequence length: phase config, step, evaluator, FLOPs
     task_tok: object = None  # the run's tokenizer, for task evaluations
-    compiling: object = None  # the first step's compile under way in a thread (loop.Beside), if started early
 
     @property
     def steps(self) -> int:
@@ -153,8 +140,22 @@ class RunState:
                     rope = "RoPE unscaled" if scaling[0] == "none" else f"RoPE {scaling[0]} x{scaling[1]:g}"
                     say(f"step {step}: phase {phase} trains at {length} tokens a sequence, {pcfg.train.batch_size} "
                         f"sequences a batch ({rope}); compiling its step", self.progress)  # fmt: skip
-            got = self.by_len[length] = step_entry(pcfg, self.opt, self.h, self.store, self.shardings, self.mesh,
-                                                   self.injection is not None)  # fmt: skip
+            targets = batch_targets(pcfg, self.store)  # (masked, eot) of the batches
+            got = self.by_len[length] = {
+                "cfg": pcfg,
+                "step": make_train_step(
+                    pcfg,
+                    self.opt,
+                    self.h,
+                    self.shardings,
+                    mesh=self.mesh,
+                    faults=self.injection is not None,
+                    masked=targets[0],
+                    eot=targets[1],
+                ),  # fmt: skip
+                "evaluator": None,
+                "flops_per_token": 3 * accounting.count(pcfg).forward_flops_per_token,
+            }
         return got
 
     def epochs_at(self, done: int) -> dict:
