@@ -443,6 +443,7 @@ def test_text_field_by_domain_names_training_and_validation_domains(tmp_path):
         resolve_all(bad)
 
 
+@pytest.mark.slow  # 11 s: three runs (make test under 15 minutes; CI's make test-all runs it)
 def test_the_data_seed_moves_the_batches_and_leaves_the_initialisation(corpus, tmp_path):
     """train.data_seed (issue 37): a run's data order apart from its parameters' seed."""
     from conftest import MICRO

@@ -23,6 +23,7 @@ def _evals(run) -> list[dict]:
     return [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"]
 
 
+@pytest.mark.slow  # 14 s: a parent run and its fine-tune (make test under 15 minutes; CI's make test-all runs it)
 def test_a_fine_tune_starts_from_the_parent_s_weights(corpus, tmp_path):
     sets = MICRO + [f"data.sources=[{corpus['code']}]", "train.eval_every=3", "train.checkpoint_every=3"]
     parent = tmp_path / "parent"

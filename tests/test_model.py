@@ -174,6 +174,7 @@ def test_causal_and_windowed():
     assert not np.allclose(a1[0, 10:14], a2[0, 10:14])
 
 
+@pytest.mark.slow  # 12 s (make test under 15 minutes; CI's make test-all runs it)
 def test_loss_terms_match_their_formulas():
     m, p, st = small_lm(logit_z_loss=0.5, aux_loss_coef=0.0, router_z_loss_coef=0.0)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 17), 0, 64)

@@ -188,6 +188,7 @@ def test_conversations_come_in_every_container(tmp_path, monkeypatch):
     assert (got[0][0] == got[1][0]).all() and (got[0][1] == got[1][1]).all() and got[0][1].any()
 
 
+@pytest.mark.slow  # 12 s (make test under 15 minutes; CI's make test-all runs it)
 def test_padded_rows_hold_one_conversation_each_and_lose_nothing_to_the_padding(tmp_path, monkeypatch):
     """data.packing padded: every row is one conversation from its start (a long one cut past the row),
     its mask as the store's, the rest padding outside the loss; a pass reads each conversation once; the

@@ -602,6 +602,7 @@ def test_fault_arguments():
     assert [inj.data_step(s) for s in (19, 20, 23, 24, 29)] == [19, 20, 23, 20, 21]
 
 
+@pytest.mark.slow  # 11 s: two runs and a restore (make test under 15 minutes; CI's make test-all runs it)
 def test_a_run_resumed_after_a_restore_restores_again_as_the_uninterrupted_one(corpus, tmp_path):
     """Two NaN streaks with a checkpoint between them: the uninterrupted run restores twice; a run
     resumed from the checkpoint written after the first restore must do the same, not stop."""

@@ -127,7 +127,7 @@ class TrainConfig:
     )
     checkpoint_writer: str = _f(
         "thread",
-        "Who writes a checkpoint: thread (Orbax's background thread in the training process) or process (a process of its own at idle priority, from a copy of the state in shared memory: the steps beside a save stay nearly as fast on a machine with few cores; a single-process job).",
+        "Who writes a background checkpoint: thread (Orbax's background thread in the training process) or process (a process of its own at idle priority, from a copy of the state in shared memory; a single-process job). Measured on 2 cores with a 0.37 GB state: a step beside a save 3.95x (thread) and 1.80x (process) a step without one; the training guide compares them with a synchronous save.",
         CKPT_WRITERS,
     )
     checkpoint_dir: str = _f(

@@ -46,6 +46,7 @@ from pathlib import Path
 import jax
 
 from moelab.paths import as_path, is_local
+from moelab.train.ckpt_writer import ProcessWriter
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.replaced)?$")
 COMMIT = "commit_success.txt"  # Orbax's commit file (atomicity.COMMIT_SUCCESS_FILE)
@@ -247,8 +248,6 @@ class Checkpoints:
         if writer == "process":
             if fault_hook is not None:
                 raise ValueError("a fault hook inside a save needs the thread writer (train.checkpoint_writer: thread)")
-            from moelab.train.ckpt_writer import ProcessWriter
-
             self.writer = ProcessWriter(functools.partial(Checkpoints, root, keep_last, keep_every, tuple(keep_steps),
                                                           background=False))  # fmt: skip
         elif writer != "thread":
