@@ -76,6 +76,7 @@ def test_the_loss_mask_covers_exactly_the_assistant_tokens(tmp_path, monkeypatch
     assert np.count_nonzero(np.diff(m.astype(int)) == 1) == 2
 
 
+@pytest.mark.slow  # 13 s (make test under 15 minutes; CI's make test-all runs it)
 def test_batches_carry_the_mask_and_the_loss_counts_only_the_assistant(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_CACHE", str(tmp_path / "cache"))
     cfg = _config(_chat_file(tmp_path))
