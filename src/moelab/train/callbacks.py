@@ -43,7 +43,9 @@ from moelab.runs import RunDir, append_jsonl, read_jsonl
 from moelab.train import checkpoint
 
 # testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop
-# freezes the process (SIGSTOP) where kill ends it, for a test to wake it (SIGCONT) later
+# freezes the process (SIGSTOP) where kill ends it, for a test to wake it (SIGCONT) later. kill@ and stop@
+# first let a background save in flight finish (a test names the checkpoints it expects, whatever the
+# machine's speed); kill_in_save@ is the fault inside a save
 FAULT_ENV = "MOELAB_TEST_FAULTS"
 
 
@@ -83,17 +85,19 @@ class TestFaults(Callback):
         spec = os.environ.get(FAULT_ENV, "")
         return cls(run, spec) if spec.strip() else None
 
-    def hook(self, point: str, step: int) -> None:
+    def hook(self, point: str, step: int, settle=None) -> None:
         fired = json.loads(self.fired_path.read_text()) if self.fired_path.exists() else []
         for kind, at in self.faults:
             kinds = {"step": ("kill", "stop"), "in_save": ("kill_in_save", "stop_in_save")}[point]
             if at == step and [kind, at] not in fired and kind in kinds:
+                if settle is not None:
+                    settle()
                 fired.append([kind, at])
                 self.fired_path.write_text(json.dumps(fired))
                 os.kill(os.getpid(), signal.SIGSTOP if kind.startswith("stop") else signal.SIGKILL)
 
     def before_step(self, loop, s: int) -> None:
-        self.hook("step", s)
+        self.hook("step", s, settle=loop.rs.ckpts.wait)
 
 
 class NanGuard(Callback):
