@@ -33,6 +33,10 @@ BAD_FILES = {
     "broken_exp.py": "this is not python(\n",
     "noexp.py": "x = 1\n",
     "nope_ladder.yaml": "name: x\nrecipe: tiny\nwidths: [a, b]\nhead_dim: 32\nlayers: [2]\n",
+    "nowidths_ladder.yaml": "name: x\nrecipe: tiny\nwidths: []\nhead_dim: 32\nlayers: 2\ntokens_per_active_param: 20\n",
+    "empty.yaml": "",
+    "comments.yaml": "# nothing but a comment\n",
+    "listbase.yaml": "- base: tiny\n",
 }  # fmt: skip
 BINARY = {"latin.yaml": b"\xff\xfe\x00bad", "latin.csv": b"N,C,loss\n\xff\xfe,1,2\n"}
 
@@ -206,6 +210,39 @@ CASES = [
     ("change {f}/exp45_train.py --what x --why y --step -1 --prefix {t}/lab", "--step"),
     ("report --prefix /nonexistent-moelab --out {t}/site", "--prefix"),
     ("report --prefix {t} --out {f}/good.csv", "--out"),
+    # issue 43: the tracebacks and silent accepts a new user met
+    ("train {f}/empty.yaml --out {t}/o", "empty.yaml: empty"),
+    ("train {f}/comments.yaml --out {t}/o", "comments.yaml: empty"),
+    ("config {f}/listbase.yaml", "listbase.yaml: expected a mapping"),
+    ("plan memory {f}/list.yaml --mesh data=2", "list.yaml: expected a mapping"),
+    ("sample {run} --prompt x --seed -1", "--seed -1"),
+    ("sample {run} --prompt x --temperature nan", "--temperature nan"),
+    ("sample {run} --prompt x --temperature inf", "--temperature inf"),
+    ("ladder plan {f}/nowidths_ladder.yaml", "widths"),
+    ("run {f}/exp45_train.py --only ([ --prefix {t}/lab", "--only '(['"),
+    ("run {f}/exp45_train.py --force ([ --prefix {t}/lab", "--force '(['"),
+    ("run {f}/exp45_train.py --only nomatch --prefix {t}/lab", "matches none"),
+    ("run {f}/exp45_train.py --max-concurrent 0 --prefix {t}/lab", "--max-concurrent 0"),
+    ("train tiny --coordinator nohost --num-processes 2 --process-id 0 --out {t}/o", "--coordinator 'nohost'"),
+    ("train tiny --coordinator host:port --num-processes 2 --process-id 0 --out {t}/o", "HOST:PORT"),
+    ("plan memory tiny --mesh data=2,data=4", "given twice"),
+    ("plan memory tiny --mesh ", "--mesh: empty"),
+    ("plan memory tiny --mesh data=2 --micro-batch 3", "--micro-batch: 3 sequences per device does not divide the 8"),
+    ("train tiny --steps 2 --inject lr_spike@99 --out {t}/o", "lr_spike@99"),
+    ("change {f}/exp45_train.py --what x --why y --prefix {t}/nowhere", "holds no journal"),
+    ("eval {run} --against {run}", "--against: only with --noise"),
+    ("eval {run} --depths 0.5", "--depths: only with --retrieval"),
+    ("eval {run} --examples 4", "--examples: only with --retrieval"),
+    ("eval {run} --samples 2", "--samples: only with --tasks"),
+    ("eval {run} --temperature 0.5", "--temperature and --seed"),
+    ("eval {run} --noise 2 --retrieval 64", "--noise with --retrieval"),
+    ("eval {run} --noise 2 --data {t}", "--data with --noise"),
+    ("export hf {run} --out {f}/afile/model", "is a file, not a folder"),
+    ("export safetensors {run} --out /proc/moelab-nope/x.safetensors", "/proc"),
+    ("report --prefix {run} --out /proc/moelab-nope/site", "--out"),
+    ("report --prefix {run} --out {f}/afile/site", "is a file, not a folder"),
+    ("train --restart --out {run}", "--restart"),
+    ("train tiny --restart --out {t}/missing", "--out"),
 ]
 
 
@@ -283,6 +320,8 @@ def test_a_change_inside_the_run_is_recorded(env, tmp_path):
     from moelab.runs import read_jsonl
 
     exp = str(env["files"] / "exp45_train.py")
+    (tmp_path / "experiments" / "exp45_train").mkdir(parents=True)  # the journal its run starts
+    (tmp_path / "experiments" / "exp45_train" / "journal.jsonl").touch()
     assert main(["change", exp, "--what", "lr x0.5", "--why", "spikes", "--step", "50", "--prefix", str(tmp_path)]) == 0
     (rec,) = read_jsonl(tmp_path / "experiments" / "exp45_train" / "journal.jsonl")
     assert (rec["event"], rec["what"], rec["why"], rec["at_step"]) == ("change", "lr x0.5", "spikes", 50)
@@ -322,3 +361,29 @@ def test_output_into_a_closed_pipe_is_quiet():
     finally:
         os.close(w)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_a_cache_that_is_a_file_is_refused_in_one_line(env, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOELAB_CACHE", str(env["files"] / "afile"))
+    assert call(["train", "tiny", *(x for kv in MICRO for x in ("--set", kv)), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MOELAB_CACHE" in err and "afile" in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_object_store_that_cannot_be_reached_is_refused_at_once(monkeypatch):
+    """A host that does not resolve (.invalid never does, RFC 2606) is one line, not a minute of
+    retries and a traceback."""
+    import time
+
+    from moelab.data import files
+    from moelab.errors import DataError
+
+    monkeypatch.setitem(files.HOSTS, "gs", "storage.moelab.invalid")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    files._unreachable.cache_clear()
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match=r"gs://bucket/shards: cannot reach storage\.moelab\.invalid"):
+        files.exists("gs://bucket/shards")
+    assert time.perf_counter() - t0 < 15
+    files._unreachable.cache_clear()

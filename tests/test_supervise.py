@@ -83,7 +83,8 @@ def test_each_restart_resumes_the_same_command(tmp_path, monkeypatch, given):
     own = ["tiny", "--out=o", *given, "--process-id=1"]
     assert sv.supervise(own, str(tmp_path), 2, records=tmp_path / ".process-1") == 0
     head = [sys.executable, "-m", "moelab", "train"]
-    assert seen == [head + own] + [head + own + ([] if given else ["--resume"])] * 2
+    # from the newest checkpoint, or from step 0 when the child died before its first (--restart)
+    assert seen == [head + own] + [head + own + ([] if given else ["--resume"]) + ["--restart"]] * 2
     restarts = read_jsonl(tmp_path / ".process-1" / "events.jsonl")
     assert [(e["restart"], e["of"], e["exit_code"]) for e in restarts] == [(1, 2, -9), (2, 2, 1)]
     assert "SIGKILL" in restarts[0]["cause"] and restarts[1]["cause"] == "exit code 1: moelab: something"
@@ -91,7 +92,7 @@ def test_each_restart_resumes_the_same_command(tmp_path, monkeypatch, given):
 
 
 def test_restarts_used_up_and_refusals(tmp_path, monkeypatch):
-    for codes, want, events in (([-9, -9], 1, ["restart", "gave_up"]), ([2], 2, []), ([3], 3, [])):
+    for codes, want, events in (([-9, -9], 1, ["restart", "gave_up"]), ([2], 2, []), ([3], 3, []), ([130], 130, [])):
         (tmp_path / "events.jsonl").unlink(missing_ok=True)
         seen = []
         monkeypatch.setattr(sv.subprocess, "Popen", lambda argv, c=codes, s=seen, **kw: _Child(argv, c, s))

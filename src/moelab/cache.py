@@ -16,7 +16,13 @@ from moelab.jsonl import jsonable
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MOELAB_CACHE", ".moelab_cache"))
+    """MOELAB_CACHE (``.moelab_cache`` by default); a file there is refused in one line."""
+    root = Path(os.environ.get("MOELAB_CACHE", ".moelab_cache"))
+    if root.exists() and not root.is_dir():
+        from moelab.errors import UsageError
+
+        raise UsageError(f"MOELAB_CACHE: {root} is a file, not a folder; point it at a folder (or unset it)")
+    return root
 
 
 def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3, dtype: str = "float32") -> float:

@@ -57,3 +57,8 @@ class ExperimentError(UsageError, ValueError):
 
 class RunError(Exception):
     """A run that cannot go on (exit code 3); the message says why and what was kept."""
+
+
+class Interrupted(Exception):
+    """A run the user stopped (Ctrl-C, SIGTERM) at a step boundary, its checkpoint saved: one line
+    that says where, and exit code 130 (128 + SIGINT, as a shell reports an interrupted command)."""

@@ -8,12 +8,15 @@ them lives in cli/common.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from moelab.cli.common import new_outputs, remove_new_outputs  # (the standard library alone: no start-up cost)
-from moelab.errors import ConfigError, RunError, UsageError
+from moelab.errors import ConfigError, Interrupted, RunError, UsageError
+
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,10 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _main(argv)
     except BrokenPipeError:  # the reader left (`moelab config --explain model | head`): quiet, as SIGPIPE would be
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush then goes nowhere
         code = 128 + 13
+    except KeyboardInterrupt:  # before the command began (its imports, its arguments)
+        print("moelab: interrupted", file=sys.stderr)
+        code = INTERRUPTED
     if argv is None:  # the command itself: out at once when it is done (moelab/_alloc.py)
         from moelab._alloc import leave
 
@@ -75,6 +79,21 @@ def _main(argv: Sequence[str] | None) -> int:
     except RunError as exc:
         print(f"moelab: {exc}", file=sys.stderr)
         return 3
+    except Interrupted as exc:  # a run stopped at a step boundary, its checkpoint saved
+        print(f"moelab: {exc}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:  # anywhere else (or a second Ctrl-C): one line, not a traceback
+        remove_new_outputs(created, started)  # what it had begun, unless it records work done (a checkpoint)
+        print(f"moelab: interrupted; {_kept(args)}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _kept(args) -> str:
+    """What an interrupted command leaves: a run keeps its newest complete checkpoint and its records."""
+    out = getattr(args, "out", None)
+    if getattr(args, "command", None) == "train" and out and os.path.isdir(out):
+        return f"what {out} holds is kept (moelab train --resume --out {out} continues from its newest checkpoint)"
+    return "the outputs it had begun are removed"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from moelab.lab.executor import Runner
 
     exp = load_experiment(args.experiment)
+    _check_run_args(args, [s.name for s in exp.all_steps()])
     if args.ray_address:
         import os
 
@@ -53,6 +54,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"not finished: {', '.join(failed)}; the journal has the tracebacks; run again to resume")
         return 1
     return 0
+
+
+def _check_run_args(args: argparse.Namespace, names: list[str]) -> None:
+    """--max-concurrent at least 1; --only and --force regular expressions, --only matching a step."""
+    import re
+
+    if args.max_concurrent < 1:
+        raise UsageError(f"--max-concurrent {args.max_concurrent}: steps run at once; give 1 or more")
+    for flag, value in (("--only", args.only), ("--force", args.force)):
+        if value is None:
+            continue
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            raise UsageError(
+                f"{flag} {value!r}: not a regular expression ({exc}); escape it, or give a step's name"
+            ) from None
+        if flag == "--only" and not any(pattern.search(n) for n in names):
+            raise UsageError(f"--only {value!r}: matches none of the experiment's steps ({', '.join(names[:6])}"
+                             f"{', ...' if len(names) > 6 else ''})")  # fmt: skip
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -116,6 +137,9 @@ def cmd_change(args: argparse.Namespace) -> int:
                 f"--step: {args.step} lies outside every run of {exp.name} (steps: {runs}); give 0..{longest}"
             )
     journal = Journal(Path(args.prefix) / "experiments" / exp.name / "journal.jsonl")
+    if not journal.path.is_file():  # a mistyped prefix would start a journal that `moelab status` then lists
+        raise UsageError(f"--prefix: {args.prefix} holds no journal of {exp.name} ({journal.path}); give the prefix "
+                         "it ran under (`moelab status --prefix ...` lists them), or run it first")  # fmt: skip
     rec = journal.change(what, why, args.step)
     print(f"recorded in {journal.path}: {rec['what']} (why: {rec['why']})")
     return 0
@@ -132,6 +156,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file; the site is a folder (index.html and a page per experiment and run)")
+    from moelab.paths import writable_place
+
+    writable_place(out / "index.html", make=True)  # its folder, under a parent it may write in
     index = build_site(prefix, out)
     print(f"site: {index}")
     return 0

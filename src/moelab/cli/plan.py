@@ -29,10 +29,17 @@ ROW_NAMES = {
 def parse_mesh(text: str) -> tuple[int, int]:
     """``data=D,expert=X`` (either may be left out: 1)."""
     sizes = {"data": 1, "expert": 1}
-    for item in filter(None, (x.strip() for x in text.split(","))):
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        raise UsageError(f"--mesh: empty; give data=D,expert=X (devices = D x X), e.g. data=8,expert=4, got {text!r}")
+    given = set()
+    for item in filter(None, items):
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in sizes:
             raise UsageError(f"--mesh: expected data=D,expert=X, got {text!r}")
+        if key.strip() in given:
+            raise UsageError(f"--mesh: {key.strip()} given twice in {text!r}; give each axis once")
+        given.add(key.strip())
         try:
             sizes[key.strip()] = int(value)
         except ValueError:

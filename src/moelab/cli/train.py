@@ -18,8 +18,8 @@ def _train_config(args: argparse.Namespace):
     if args.config is None:  # `moelab train --resume --out DIR`: the run's own (perhaps re-planned) config
         from moelab.runs import load_run_config
 
-        if not args.resume:
-            raise UsageError("config: give a preset or a YAML file (only --resume may leave it out)")
+        if not (args.resume or args.restart):
+            raise UsageError("config: give a preset or a YAML file (only --resume or --restart may leave it out)")
         given = [n for n in ("steps", "seed", "data", "inject", "init_from") if getattr(args, n)] + (
             ["set"] if args.overrides else []
         )
@@ -94,6 +94,9 @@ def _job(args: argparse.Namespace) -> tuple[str, int, int] | None:
                          "with --coordinator") from None  # fmt: skip
     if not 0 <= pid < n:
         raise UsageError(f"--process-id: {pid} is not in [0, {n})")
+    host, colon, port = coordinator.rpartition(":")
+    if not (colon and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
+        raise UsageError(f"--coordinator {coordinator!r}: expected HOST:PORT (process 0's address, a port in 1..65535)")
     return coordinator, n, pid
 
 
@@ -115,9 +118,11 @@ def _check_out(args: argparse.Namespace) -> None:
     # a run's own files (a run that died before its config.json was written still has its events,
     # and the supervisor's restarts resume it)
     is_run = (out / "config.json").is_file() or (out / "events.jsonl").is_file()
-    if args.resume and not is_run:
-        raise UsageError(f"--out: {out} holds no run to resume (no config.json); leave out --resume to start one")
-    if not args.resume and out.is_dir() and not is_run:
+    again = getattr(args, "resume", False) or getattr(args, "restart", False)
+    if again and not is_run:
+        flag = "--resume" if getattr(args, "resume", False) else "--restart"
+        raise UsageError(f"--out: {out} holds no run to resume (no config.json); leave out {flag} to start one")
+    if not again and out.is_dir() and not is_run:
         strangers = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
         if strangers:
             raise UsageError(
@@ -144,7 +149,7 @@ def _branch(args: argparse.Namespace) -> int:
 
     if args.at is None or args.steps is None:
         raise UsageError("--branch-from: give --at STEP (the parent's checkpoint) and --steps N (the branch's horizon)")
-    given = [n for n in ("config", "seed", "data", "inject", "resume") if getattr(args, n)]
+    given = [n for n in ("config", "seed", "data", "inject", "resume", "restart") if getattr(args, n)]
     if given:
         raise UsageError(f"--{given[0]}: a branch is the parent's run; only --steps and --set train.* may change it")
     if args.max_restarts or args.devices or args.coordinator:
@@ -203,6 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg,
         args.out,
         resume=args.resume,
+        restart=args.restart,
         progress=not args.quiet,
         trackers=make_trackers(args.tracker or [], cfg, args.out),
     )
@@ -253,6 +259,32 @@ def _print_tasks(args: argparse.Namespace, res: dict) -> None:
         print(f"  {name:<24} {r['examples']:>8} {mc} {r['bpb']:>10.4f}")
 
 
+def _check_eval_flags(args: argparse.Namespace) -> None:
+    """One evaluation at a time (--tasks, --noise, --retrieval, or the held-out loss), and no flag that
+    would do nothing with it: each refused in one line naming the flag it needs."""
+    modes = [f"--{n}" for n in ("tasks", "noise", "retrieval") if getattr(args, n) is not None]
+    if len(modes) > 1:
+        raise UsageError(f"{modes[0]} with {modes[1]}: run one evaluation at a time")
+    if args.data and modes:
+        raise UsageError(
+            f"--data with {modes[0]}: --data is what the held-out loss is taken on; run them one at a time"
+        )
+    has = {"--harness": False, "--noise": args.noise is not None, "--retrieval": args.retrieval is not None,
+           "--tasks": args.tasks is not None}  # fmt: skip
+    for flag, given, need in (
+        ("--limit", args.limit is not None, "--harness"),
+        ("--against", args.against is not None, "--noise"),
+        ("--depths", args.depths != "0.1,0.5,0.9", "--retrieval"),
+        ("--examples", args.examples != 16, "--retrieval"),
+        ("--samples", args.samples != 1, "--tasks"),
+        ("--max-new-tokens", args.max_new_tokens != 128, "--tasks"),
+    ):
+        if given and not has[need]:
+            raise UsageError(f"{flag}: only with {need}; alone it changes nothing")
+    if (args.temperature != 0.8 or args.seed) and args.samples == 1:
+        raise UsageError("--temperature and --seed: only with --tasks and --samples K > 1 (one sample is greedy)")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import json as _json
 
@@ -260,12 +292,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.harness is not None:
         return _harness(args)
-    if args.limit is not None:
-        raise UsageError("--limit: only with --harness (at most N examples per lm-eval task)")
+    _check_eval_flags(args)
     if args.retrieval is not None:
         return _retrieval(args)
-    if not args.tasks and (args.samples != 1 or args.temperature != 0.8 or args.max_new_tokens != 128 or args.seed):
-        raise UsageError("--samples, --temperature, --max-new-tokens and --seed: only with --tasks (generation tasks)")
     if args.tasks:
         from moelab.train.run_tasks import evaluate_tasks
 
@@ -361,7 +390,18 @@ def register(sub) -> None:
         help="a file, folder or glob of shards (text, JSON lines, parquet, arrow; .gz/.zst/.bz2/.xz), name=path to "
         "name its domain, or stdlib; replaces data.sources (repeatable)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --out (refused when the run has records but no "
+        "checkpoint: --restart)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="train the run in --out again from step 0, its records cut back, when it has no checkpoint (refused "
+        "when it has one; with --resume: resume when it has one, else start over)",
+    )
     p.add_argument(
         "--branch-from",
         metavar="RUN_DIR",

@@ -53,7 +53,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from moelab.model.decode import Generator, check_sampling
     from moelab.runs import load_run_config
 
-    check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
     cfg = load_run_config(args.run_dir)  # bad input is refused in one line before anything loads
     text_in, stops = _prompt_text(args, cfg)
     step = checkpoint_step(args.run_dir, args.checkpoint)

@@ -31,7 +31,15 @@ from moelab.config.fields import (
     SCAN_LAYERS,
     SCHEDULES,
 )
-from moelab.config.hashing import HASH_NEUTRAL, LAB_NEUTRAL, NEVER_HASHED, config_hash, step_dict, to_dict
+from moelab.config.hashing import (
+    HASH_NEUTRAL,
+    LAB_NEUTRAL,
+    NEVER_HASHED,
+    changed_fields,
+    config_hash,
+    step_dict,
+    to_dict,
+)
 from moelab.config.load import apply_overrides, config_from_dict, load_config, parse_override, replace
 from moelab.config.meanings import explain, field_paths, show_value, summary, type_label
 from moelab.config.model import ModelConfig, auto_dtype, rope_scaling_of
@@ -62,6 +70,7 @@ __all__ = [
     "MATMUL_PRECISIONS",
     "MOE_IMPLS",
     "NEVER_HASHED",
+    "changed_fields",
     "OFFLOADS",
     "OPTIMIZERS",
     "REMATS",

@@ -84,3 +84,25 @@ def config_hash(cfg: Config) -> str:
         data.get(section, {}).pop(key, None)
     blob = json.dumps(data, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def changed_fields(old: dict, new: dict) -> list[str]:
+    """The hashed fields (``section.key``, or a top-level key) whose values differ between two configs'
+    dicts (as ``to_dict`` writes them, or read back from JSON); a field one of them lacks counts at its
+    HASH_NEUTRAL value, and NEVER_HASHED fields are left out."""
+    old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))  # tuples as lists, as a file holds them
+    out = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section), new.get(section)
+        if not (isinstance(a, dict) or isinstance(b, dict)):
+            if a != b:
+                out.append(section)
+            continue
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        for key in sorted(set(a) | set(b)):
+            if (section, key) in NEVER_HASHED:
+                continue
+            neutral = json.loads(json.dumps(HASH_NEUTRAL.get((section, key))))
+            if a.get(key, neutral) != b.get(key, neutral):
+                out.append(f"{section}.{key}")
+    return out

@@ -216,7 +216,7 @@ def _read_spec(spec: str, seen: tuple) -> tuple[dict, str]:
     if not path.is_file():
         raise ConfigError([f"{spec}: no such config file (or preset: {', '.join(PRESETS)})"])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{spec}: not UTF-8 text (byte {exc.start}); save the config as UTF-8"]) from None
     except OSError as exc:
@@ -225,7 +225,12 @@ def _read_spec(spec: str, seen: tuple) -> tuple[dict, str]:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError([f"{spec}:{where} is not valid YAML; fix the syntax"]) from None
-    if not isinstance(data, dict) or "base" not in data:
+    if data is None:  # an empty file would train the schema's defaults, which no preset is
+        raise ConfigError([f"{spec}: empty; a config names its base (base: tiny, say) and the fields it changes"])
+    if not isinstance(data, dict):
+        raise ConfigError([f"{spec}: expected a mapping of sections (base:, model:, train:, data:, mesh:), got a "
+                           f"{type(data).__name__}"])  # fmt: skip
+    if "base" not in data:
         return data, spec
     base = data["base"]
     if not isinstance(base, str) or not base.strip():

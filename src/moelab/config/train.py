@@ -182,9 +182,13 @@ class TrainConfig:
                 e.append(f"train.{n}: must be >= 0, got {getattr(t, n)}")
         for spec in t.inject:
             try:
-                parse_fault(spec)
+                fault = parse_fault(spec)
             except ValueError as exc:
                 e.append(f"train.inject: {exc}")
+                continue
+            if t.steps > 0 and fault.step >= t.steps:
+                e.append(f"train.inject: {spec!r}: step {fault.step} is past the run's last step {t.steps - 1}, so it "
+                         "would never fire; give a step inside the run")  # fmt: skip
         if t.replans:
             try:
                 parse_replans(t.replans, t.steps)

@@ -9,9 +9,11 @@ also give each file's size and stamp (kept until the next ``clear_listings``).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob as globlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 
 from moelab.errors import DataError
@@ -46,12 +48,38 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+# the object stores' hosts, asked once before their filesystems' own retries (a minute of them, then a
+# traceback, where the name does not resolve); an endpoint set in the environment is not checked
+HOSTS = {
+    "gs": "storage.googleapis.com",
+    "gcs": "storage.googleapis.com",
+    "s3": "s3.amazonaws.com",
+    "hf": "huggingface.co",
+}
+ENDPOINT_ENV = {"gs": "STORAGE_EMULATOR_HOST", "gcs": "STORAGE_EMULATOR_HOST", "s3": "AWS_ENDPOINT_URL"}
+
+
+@functools.cache
+def _unreachable(protocol: str) -> str | None:
+    """Why ``protocol``'s object store cannot be reached from here (its host's name does not resolve), or None."""
+    host = HOSTS.get(protocol)
+    if host is None or os.environ.get(ENDPOINT_ENV.get(protocol, "")):
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return f"cannot reach {host} ({exc.strerror or exc})"
+    return None
+
+
 def _fs(url: str):
     try:
         import fsspec
     except ImportError:
         raise DataError(f"{url}: a path with a scheme is read through fsspec; pip install 'moelab[remote]'") from None
     protocol = url.split("://", 1)[0]
+    if why := _unreachable(protocol):
+        raise DataError(f"{url}: {why}; check the address and this machine's network, or use a local copy")
     try:
         return fsspec.filesystem(protocol)
     except (ImportError, ValueError) as exc:

@@ -31,6 +31,7 @@ from moelab.data.chat import ChatTemplate
 from moelab.errors import UsageError
 from moelab.export import Trained, load_trained
 from moelab.model.hf_layout import WEIGHTS, shape_fields, to_hf
+from moelab.paths import writable_place
 
 HERE = Path(__file__).parent / "remote_code"
 EOT = "<|endoftext|>"
@@ -55,6 +56,7 @@ def check_out(out: Path, is_dir: bool) -> None:
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"--out {out}: {parent} is a file, not a folder")
+    writable_place(out)  # a folder it may not write in: refused before the checkpoint is loaded
 
 
 def _np(a) -> np.ndarray:
@@ -116,7 +118,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None, pro
     eot = _eot(t.tokenizer_path)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)  # the run and checkpoint are found: now something is written
+    writable_place(out, make=True)  # the run and checkpoint are found: now something is written
     tmp.mkdir()
     try:
         tensors = hf_tensors(t)
@@ -158,7 +160,7 @@ def export_safetensors(run_dir: str | Path, out: str | Path, step: int | None = 
     tensors.update({f"layers.{k}": _np(v) for k, v in t.params["layers"].items()})
     meta = {"format": "moelab", "step": str(t.step), "config": json.dumps(to_dict(t.cfg))}
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_place(out, make=True)
     try:
         save_file(tensors, str(tmp), metadata=meta)
         os.chmod(tmp, 0o644)

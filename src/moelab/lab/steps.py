@@ -53,8 +53,8 @@ def run_train(cfg: dict, out: Path) -> dict:
     if config.train.trackers:  # mirrored live, tagged with the experiment and the step
         tags = [running.journal.path.parent.name, running.step] if running is not None else []
         trackers = make_trackers([], config, out, tags=tags)
-    # resume=True: a rerun of a failed step continues from its newest checkpoint
-    return train(config, out, resume=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
+    # a rerun of a failed step continues from its newest checkpoint, or starts over when it died before one
+    return train(config, out, resume=True, restart=True, progress=cfg.get("progress", True), on_forecast_update=on_update,
                  stop=stop, trackers=trackers)  # fmt: skip
 
 
@@ -116,7 +116,7 @@ def _branch(cfg: dict, out: Path) -> dict:
                            cfg.get("run_name", ""))  # fmt: skip
     if branch_point(out) is None:  # a rerun of a failed branch resumes it; a new one starts from the parent
         start_branch(cfg["parent"], cfg["at"], out, branch)
-    return train(branch, out, resume=True, progress=cfg.get("progress", True))
+    return train(branch, out, resume=True, restart=True, progress=cfg.get("progress", True))
 
 
 def branch_step(name: str, parent, at: int, steps: int, overrides: list[str] = (), *, run_name: str = "",
@@ -142,7 +142,7 @@ def _finetune(cfg: dict, out: Path) -> dict:
     base = load_config(cfg["config"], list(cfg["overrides"]))
     spec = str(cfg["parent"]) + (f":{cfg['at']}" if cfg.get("at") is not None else "")
     config = load_config(cfg["config"], [*cfg["overrides"], *init_overrides(spec, base, "parent")])
-    return train(config, out, resume=True, progress=cfg.get("progress", True))
+    return train(config, out, resume=True, restart=True, progress=cfg.get("progress", True))
 
 
 def finetune_step(name: str, parent, config, overrides: list[str] = (), *, at: int | None = None,

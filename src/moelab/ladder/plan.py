@@ -84,8 +84,8 @@ def load_ladder(path: str | Path) -> Ladder:
                       ("seeds", int), ("top_seeds", int)):  # fmt: skip
         value = data.get(key)
         values = value if isinstance(value, list) else [value]
-        if key == "widths" and not isinstance(value, list):
-            raise ConfigError([f"{path}: widths: a list of model widths, got {value!r}"])
+        if key == "widths" and not (isinstance(value, list) and value):
+            raise ConfigError([f"{path}: widths: a list of model widths (at least one), got {value!r}"])
         for v in values:
             if v is None and key not in ("widths", "head_dim", "layers"):
                 continue

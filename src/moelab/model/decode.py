@@ -14,6 +14,7 @@ the logits over the temperature, cut to the top k and then to the top p of the p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -112,16 +113,18 @@ def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k
     return int(order[rng.choice(len(order), p=probs)])
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, max_new: int) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new: int, seed: int = 0) -> None:
     """One line naming the flag, for values that cannot sample."""
-    if temperature < 0:
-        raise UsageError(f"--temperature {temperature}: must be 0 (greedy) or more")
+    if not (temperature >= 0 and math.isfinite(temperature)):  # (nan fails every comparison)
+        raise UsageError(f"--temperature {temperature}: must be 0 (greedy) or a finite number above it")
     if top_k < 0:
         raise UsageError(f"--top-k {top_k}: must be 0 (all tokens) or more")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p {top_p}: must be in (0, 1]")
     if max_new < 1:
         raise UsageError(f"--max-new-tokens {max_new}: must be at least 1")
+    if seed < 0:
+        raise UsageError(f"--seed {seed}: must be 0 or more")
 
 
 PREFILL_CHUNKS = (256, 64, 16, 4, 1)
@@ -162,7 +165,7 @@ class Generator:
         is true, or at the context's end), and with ``keep_logits`` the logits each was picked from.
         ``chunked`` prefills the prompt in pieces of PREFILL_CHUNKS tokens, so that prompts of many
         lengths compile a handful of shapes, not one each (an evaluation over many prompts)."""
-        check_sampling(temperature, top_k, top_p, max_new)
+        check_sampling(temperature, top_k, top_p, max_new, seed)
         if not prompt:
             raise UsageError("--prompt: empty; give at least one token's worth of text")
         if len(prompt) > self.context:

@@ -15,7 +15,8 @@ in the order of its list (``default_callbacks``), at these points:
 - ``on_end(loop)``: after the last step.
 - ``close(loop, ended)``: always, last (``ended`` False when the run failed).
 
-The order of ``default_callbacks``: the lease check, the test faults (MOELAB_TEST_FAULTS), the NaN
+The order of ``default_callbacks``: the lease check, the test faults (MOELAB_TEST_FAULTS), Ctrl-C
+and SIGTERM (``train.interrupt``: a checkpoint at the next step boundary, then exit 130), the NaN
 guard, the step timer, the progress bar, the step's compile (beside the initial evaluation),
 checkpoint events, the metrics log, the held-out evaluations, forecast refits, the trackers, the
 health checks, then checkpoint saves; a user's own callbacks come last.
@@ -41,6 +42,7 @@ from moelab.monitor.health import HealthMonitor, ladder_from_forecast
 from moelab.progress import Progress, phase, say
 from moelab.runs import RunDir, append_jsonl, read_jsonl
 from moelab.train import checkpoint
+from moelab.train.interrupt import Interrupt
 
 # testing aid: "kill@STEP,kill_in_save@STEP,stop@STEP,stop_in_save@STEP", each fires once per run; stop
 # freezes the process (SIGSTOP) where kill ends it, for a test to wake it (SIGCONT) later. kill@ and stop@
@@ -453,6 +455,7 @@ def default_callbacks(rs, *, progress: bool, trackers=(), stop=None, on_forecast
     return [
         *lease,
         *faults,
+        Interrupt(),
         NanGuard(),
         timer,
         bar,

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import jax
 
+from moelab.errors import RunRefused
 from moelab.paths import as_path, is_local
 from moelab.train.ckpt_writer import ProcessWriter
 
@@ -84,13 +85,59 @@ def read_meta(path) -> dict:
     return json.loads((f if f.exists() else path / META).read_text())
 
 
+def meta_of(root, step: int) -> dict:
+    """The meta of the checkpoint at ``step`` in ``root``."""
+    return read_meta(dict(_dirs(root)).get(step, as_path(root) / f"step_{step:08d}"))
+
+
+class ShapeMismatch(RunRefused):
+    """A checkpoint whose arrays have other shapes than the state asked for: the config differs from
+    the one it was saved with (not damage: its files are sound, and it is left as it is)."""
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """Each array's path (its keys and attribute names, joined by /) and shape."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        out[name] = tuple(getattr(leaf, "shape", ()))
+    return out
+
+
+def check_shapes(path, abstract_state) -> None:
+    """ShapeMismatch when an array the state holds has another shape in the checkpoint at ``path`` (as
+    Orbax's metadata records it); an unreadable metadata is left to the restore to report."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        handler = ocp.PyTreeCheckpointHandler()  # the arrays' own metadata (not the step's: no warning)
+        try:
+            md = handler.metadata(epath.Path(str(_abs(path / "state"))))
+        finally:
+            handler.close()
+        saved = _shapes(getattr(md, "tree", md))
+    except Exception:  # noqa: BLE001 - the restore that follows says what is wrong with its files
+        return
+    want = _shapes(abstract_state)
+    order = sorted(want, key=lambda k: not k.startswith("params"))  # the weights first, then the optimizer's
+    bad = [f"{k} {list(saved[k])} there, {list(want[k])} here" for k in order if k in saved and saved[k] != want[k]]
+    if bad:
+        raise ShapeMismatch(
+            f"{path}: saved from another config: {len(bad)} arrays differ in shape ({'; '.join(bad[:2])}"
+            f"{'; ...' if len(bad) > 2 else ''}); resume with the config it was saved with (the checkpoint is left as it is)"
+        )
+
+
 def restore(root, step: int, abstract_state) -> tuple[object, dict]:
     """(state, meta) of the checkpoint at ``step``, the arrays placed as ``abstract_state``'s are (its
-    devices and shardings: a checkpoint saved under one mesh loads under another)."""
+    devices and shardings: a checkpoint saved under one mesh loads under another). ShapeMismatch when
+    its arrays have other shapes than ``abstract_state``'s."""
     import orbax.checkpoint as ocp
 
     path = dict(_dirs(root)).get(step, as_path(root) / f"step_{step:08d}")
     meta = read_meta(path)
+    check_shapes(path, abstract_state)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state
     )
@@ -107,6 +154,8 @@ def restore_newest(root, abstract_state, damaged=None) -> tuple[object, dict, in
         try:
             state, meta = restore(root, step, abstract_state)
             return state, meta, step
+        except ShapeMismatch:  # another config's checkpoint, not a damaged one
+            raise
         except Exception as exc:  # Orbax and the file system raise many kinds; any means it cannot be used
             if damaged is not None:
                 damaged(step, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")

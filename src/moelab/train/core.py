@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 
-from moelab.errors import RunError
+from moelab.errors import Interrupted, RunError
 from moelab.progress import phase
 from moelab.runs import append_jsonl
 
@@ -51,9 +51,9 @@ class Loop:
         """Every step from the start: its batch, the update, then the callbacks. A failure is recorded
         (a ``failure`` event) and raised; ``close`` is called either way."""
         rs, ended = self.rs, False
+        s = rs.start
         try:
             self.emit("on_start")
-            s = rs.start
             while s < rs.steps:
                 self.emit("before_step", s)
                 if s in rs.skip:  # a batch the NaN guard ruled out: no update, evals and checkpoints as usual
@@ -78,6 +78,12 @@ class Loop:
             ended = True
         except RunError as exc:
             rs.run.event("failure", error=str(exc))
+            raise
+        except Interrupted as exc:  # Ctrl-C or SIGTERM: stopped at a step boundary with its checkpoint
+            rs.run.event("interrupted", step=s, saved=True, message=str(exc))
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C: at once, the newest complete checkpoint kept
+            rs.run.event("interrupted", step=s, saved=False)
             raise
         except BaseException as exc:
             rs.run.event("failure", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from moelab.cache import enable_compile_cache
-from moelab.config import Config, config_hash, phase_seq_lens, resolve_dtype, to_dict
+from moelab.config import Config, changed_fields, config_hash, phase_seq_lens, resolve_dtype, to_dict
 from moelab.config.faults import parse
 from moelab.data.mixture import build_mixture, padding_stats
 from moelab.data.store import build_store, resolve_all
@@ -29,7 +29,7 @@ from moelab.monitor.reference import reference_factors
 from moelab.parallel import mesh as pmesh
 from moelab.paths import as_path
 from moelab.progress import phase, say
-from moelab.runs import RunDir, git_state, host, load_run_config, versions
+from moelab.runs import RunDir, git_state, host, load_run_config, read_jsonl, versions
 from moelab.schedule import eval_points
 from moelab.train import checkpoint, optim
 from moelab.train.callbacks import FAULT_ENV, TestFaults, default_callbacks  # noqa: F401 - FAULT_ENV importable
@@ -45,7 +45,8 @@ PLACEMENT = {"mesh.data", "mesh.expert", "mesh.fsdp", "train.micro_batch", "trai
 
 def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     """The config to run: ``cfg``, or the run's own when resuming (with ``cfg`` None, or when the
-    run was re-planned and ``cfg`` differs from it only in its horizon)."""
+    run was re-planned and ``cfg`` differs from it only in its horizon). The run's config.json must
+    still be what the run wrote (its hash): an edited one is refused, naming the fields changed."""
     if not run.config.exists():
         if cfg is None:
             raise RunRefused(f"{run.path}: no config.json to resume from; give a config")
@@ -54,10 +55,12 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
         raise RunRefused(f"{run.path}: already holds a run; pass --resume to continue it, or choose another --out")
     ours = load_run_config(run.path)  # refuses a config.json that is not one, in one line
     saved = json.loads(run.config.read_text())
+    if saved.get("hash") != config_hash(ours):
+        raise RunRefused(_edited(run, saved, ours))
     if cfg is None or saved["hash"] == config_hash(cfg):
         return ours
-    old, new = saved["config"], json.loads(json.dumps(to_dict(cfg)))  # tuples as the file's lists
-    diff = [f"{s}.{k}" for s in new if isinstance(new[s], dict) for k in new[s] if old.get(s, {}).get(k) != new[s][k]]
+    old, new = saved["config"], to_dict(cfg)
+    diff = changed_fields(old, new)
     if ours.train.replans and set(diff) <= {"train.steps", "train.replans"}:
         return ours  # `moelab replan` changed the horizon: the run follows its new plan
     if set(diff) <= PLACEMENT:
@@ -65,6 +68,7 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
         # checkpoint saving (what fits the machines it now runs on), and record it
         _mesh(cfg)  # refused before the record changes
         run.config.write_text(json.dumps({"hash": config_hash(cfg), "config": to_dict(cfg)}, indent=1))
+        old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))  # tuples as the file's lists
         if set(diff) & {"mesh.data", "mesh.expert", "mesh.fsdp"}:
             run.event("mesh_change", before=old["mesh"], after=new["mesh"])
         if rest := sorted(set(diff) - {"mesh.data", "mesh.expert", "mesh.fsdp"}):
@@ -76,6 +80,40 @@ def _check_resume(run: RunDir, cfg: Config | None, resume: bool) -> Config:
     )
 
 
+def _edited(run: RunDir, saved: dict, ours: Config) -> str:
+    """The refusal of a config.json edited after the run wrote it: the fields that differ from the
+    config its newest checkpoint was saved with (each checkpoint keeps it), or, without one, the hash."""
+    root = as_path(ours.train.checkpoint_dir) if ours.train.checkpoint_dir else run.ckpt
+    for step in reversed(checkpoint.steps(root)):
+        try:
+            meta = checkpoint.meta_of(root, step)
+        except (OSError, ValueError):
+            continue
+        if "config" in meta:
+            diff = changed_fields(meta["config"], to_dict(ours)) or ["fields outside the hash"]
+            return (f"{run.config}: edited after the run wrote it: {', '.join(diff)} differ from the config its "
+                    f"checkpoint at step {step} was saved with; put them back (a resume never changes what a run "
+                    "computes), or train the changed config into a new --out")  # fmt: skip
+    return (
+        f"{run.config}: edited after the run wrote it (its config no longer matches its hash "
+        f"{saved.get('hash')}); put it back, or train the changed config into a new --out"
+    )
+
+
+def _check_again(run: RunDir, cfg: Config, resume: bool, restart: bool) -> None:
+    """--resume on a run with records but no checkpoint is refused (it would start over silently);
+    --restart alone on a run with a checkpoint is refused (it would throw the checkpoint's steps away)."""
+    root = as_path(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else run.ckpt
+    saved = checkpoint.steps(root)
+    if restart and not resume and saved:
+        raise RunRefused(f"--restart: {root} holds checkpoints (the newest at step {saved[-1]}); continue from it "
+                         "with --resume, or train into a new --out")  # fmt: skip
+    if resume and not restart and not saved and run.metrics.is_file() and run.metrics.stat().st_size:
+        last = max((int(r.get("step", 0)) for r in read_jsonl(run.metrics)), default=0)
+        raise RunRefused(f"--resume: {run.path} has records (to step {last}) but no checkpoint to continue from; "
+                         "train it again from step 0 with --restart (its records are cut back)")  # fmt: skip
+
+
 def _finished(run: RunDir, cfg: Config | None) -> dict | None:
     """A finished run's summary (its newest checkpoint at its planned horizon, summary.json written),
     said in one line; None when the run has more to do, or when ``cfg`` is not the run's own (which
@@ -84,11 +122,12 @@ def _finished(run: RunDir, cfg: Config | None) -> dict | None:
         return None
     try:
         saved_hash = json.loads(run.config.read_text()).get("hash")
-        planned = load_run_config(run.path).train.steps
+        ours = load_run_config(run.path)
     except (ValueError, AttributeError, RunRefused):
         return None  # not a config.json: _check_resume says so in one line
-    if cfg is not None and saved_hash != config_hash(cfg):
-        return None
+    planned = ours.train.steps
+    if saved_hash != config_hash(ours) or (cfg is not None and saved_hash != config_hash(cfg)):
+        return None  # an edited config.json, or another config: _check_resume judges
     saved = checkpoint.steps(run.ckpt)
     if not saved or saved[-1] < planned:
         return None
@@ -116,6 +155,7 @@ def train(
     out: str | Path,
     *,
     resume: bool = False,
+    restart: bool = False,
     progress: bool = True,
     trackers=(),
     on_forecast_update=None,
@@ -124,7 +164,9 @@ def train(
 ) -> dict:
     """Train ``cfg`` into ``out``; returns the summary (also written to summary.json).
 
-    With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned).
+    With ``resume``, ``cfg`` may be None: the run's own config.json is used (as re-planned). It is
+    refused on a run that has records but no checkpoint; ``restart`` trains such a run again from
+    step 0 (alone, it is refused on a run with a checkpoint).
     ``on_forecast_update(update)`` is called with each refit of the run's forecast (see
     ``train.forecast_update_every``), after it is written to forecast_updates.jsonl. ``stop()``,
     asked before every step, ends the run (RunError) without writing more when it says so: the lab
@@ -145,7 +187,8 @@ def train(
         for t in trackers:
             t.close()
         return done
-    cfg = _check_resume(run, cfg, resume)
+    cfg = _check_resume(run, cfg, resume or restart)
+    _check_again(RunDir(out), cfg, resume, restart)  # (in a job, every process judges process 0's records)
     if problems := cfg.check_vocab() + backend_problems(cfg.model):
         raise ConfigError(problems)
     mesh = _mesh(cfg)  # a bad mesh is refused before anything is written
@@ -154,7 +197,7 @@ def train(
         check_parent(cfg)
     test_faults = TestFaults.from_env(run)
     _check_writer(cfg, test_faults)
-    rs = prepare(cfg, run, mesh, progress, resume, task_sets, test_faults)
+    rs = prepare(cfg, run, mesh, progress, resume or restart, task_sets, test_faults)
     loop = Loop(rs, [*default_callbacks(rs, progress=progress, trackers=trackers, stop=stop,
                                         on_forecast_update=on_forecast_update, test_faults=test_faults),
                      *callbacks])  # fmt: skip
@@ -287,7 +330,8 @@ def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_set
 
     found = checkpoint.restore_newest(run.ckpt, state, damaged) if resume and saved else None
     if resume and saved and found is None:
-        raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores; the run cannot resume")
+        raise RunError(f"{run.ckpt}: none of its {len(saved)} checkpoints restores (each is kept as step_N.damaged "
+                       "for a look); train the run again from step 0 with --restart")  # fmt: skip
     # the journal's checkpoint event is written once a checkpoint is complete (a background save's later)
     in_save = test_faults.hook if test_faults is not None and t.checkpoint_writer == "thread" else None
     ckpts = checkpoint.Checkpoints(run.ckpt, t.keep_last, t.keep_every, t.keep_steps, t.async_checkpoint,
@@ -304,9 +348,12 @@ def _build_or_restore(cfg, run, mesh, progress, resume, store, mixture, task_set
         run.truncate_metrics(meta["metrics_cursor"])
         rs.cursor_ok = True
         run.event("resume", step=rs.start, checkpoint=step)
+        say(f"resuming {run.path} from step {rs.start} of {rs.steps} (checkpoint {run.ckpt}/step_{step:08d})",
+            jax.process_index() == 0)  # fmt: skip
     elif resume and run.metrics.exists():
-        run.truncate_metrics(0)  # nothing was checkpointed: start again from the beginning
+        run.truncate_metrics(0)  # --restart (train() refused a plain --resume): from the beginning again
         run.event("resume", step=0, checkpoint=None)
+        say(f"restarting {run.path} from step 0: it has no checkpoint; its records are cut back", True)
     if found is None and t.init_from:  # fine-tuning: the parent's weights, this run's own optimizer from them
         say(f"starting from the weights of {t.init_from}", progress)
         rs.state, event = init_state(cfg, rs.state, opt)

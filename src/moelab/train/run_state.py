@@ -221,6 +221,7 @@ class RunState:
             "skip_steps": sorted(self.skip),
             "nan_guard": dict(self.guard),
             "config_hash": config_hash(self.cfg),
+            "config": to_dict(self.cfg),  # a resume names the fields an edited config.json changed
             "seed": self.cfg.train.seed,
             "time": time.time(),
         }
