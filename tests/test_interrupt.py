@@ -113,19 +113,26 @@ def test_sigterm_to_a_supervised_run_stops_it_without_a_restart(corpus, tmp_path
 
 def test_resume_refuses_to_start_over_silently_and_restart_does_it_on_purpose(corpus, tmp_path):
     out = tmp_path / "run"
-    res = _train_cli(corpus, out, *NO_PERIODIC, env={"MOELAB_TEST_FAULTS": "kill@3"}, steps=6)
-    assert res.returncode == -9 and not checkpoint.steps(out / "ckpt")
+    every2 = ("--set", "train.checkpoint_every=2")
+    res = _train_cli(corpus, out, *every2, env={"MOELAB_TEST_FAULTS": "kill@3"}, steps=6)
+    assert res.returncode == -9 and checkpoint.steps(out / "ckpt") == [2]
+    # its only checkpoint damaged (the arrays' files gone): said, with the way on, and set aside
+    shutil.rmtree(out / "ckpt" / "step_00000002" / "state")
+    (out / "ckpt" / "step_00000002" / "state").mkdir()
+    res = _train_cli(corpus, out, *every2, "--resume", steps=6)
+    assert res.returncode == 3 and "--restart" in res.stderr.strip().splitlines()[-1], res.stderr[-3000:]
+    assert (out / "ckpt" / "step_00000002.damaged").is_dir() and not checkpoint.steps(out / "ckpt")
     metrics = (out / "metrics.jsonl").read_text()
-    assert metrics  # records of steps 0-2, no checkpoint
-    res = _train_cli(corpus, out, *NO_PERIODIC, "--resume", steps=6)
+    assert metrics  # records of steps 0-2, no checkpoint: a second --resume would start over silently
+    res = _train_cli(corpus, out, *every2, "--resume", steps=6)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--restart" in res.stderr, res.stderr[-3000:]
     assert (out / "metrics.jsonl").read_text() == metrics  # refused before anything was written
-    res = _train_cli(corpus, out, *NO_PERIODIC, "--restart", steps=6)
+    res = _train_cli(corpus, out, *every2, "--restart", steps=6)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "from step 0" in res.stderr
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(6)) or steps == list(range(1, 7)), steps  # once each: the records were cut back
-    res = _train_cli(corpus, out, *NO_PERIODIC, "--restart", steps=6)  # now it has a checkpoint (step 6)
+    res = _train_cli(corpus, out, *every2, "--restart", steps=6)  # now it has checkpoints
     assert res.returncode == 2 and "--resume" in res.stderr and res.stderr.count("\n") == 1, res.stderr[-3000:]
 
 
