@@ -100,7 +100,7 @@ def test_the_loops_own_callbacks_in_their_order(corpus, tmp_path):
 
     probe = Probe()
     train(_cfg(corpus, "train.steps=1"), tmp_path / "run", progress=False, stop=lambda: False, callbacks=[probe])
-    assert probe.names == ["LeaseCheck", "NanGuard", "StepTimer", "ProgressBar", "StepPrecompile", "CheckpointEvents",
+    assert probe.names == ["LeaseCheck", "Interrupt", "NanGuard", "StepTimer", "ProgressBar", "StepPrecompile", "CheckpointEvents",
                            "MetricsLog",
                            "Evaluations", "ForecastRefits", "Trackers", "Health", "Checkpointer", "Probe"]  # fmt: skip
     assert C.FAULT_ENV == "MOELAB_TEST_FAULTS"

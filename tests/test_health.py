@@ -100,6 +100,7 @@ def test_non_finite_values_alert():
     assert ("non_finite", recs[25]["step"]) in alerts(mon)
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_a_schedule_bug_in_the_optimiser_is_caught_by_the_rate_it_applied(corpus, tmp_path, monkeypatch):
     """A bug in how the optimiser's rate is set (here: the state gets the rate of a step 10 steps
     later, so warmup is skipped, while the rate it reports is right) is invisible to the schedule

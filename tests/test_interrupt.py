@@ -111,6 +111,7 @@ def test_sigterm_to_a_supervised_run_stops_it_without_a_restart(corpus, tmp_path
     assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "restart"]
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_resume_refuses_to_start_over_silently_and_restart_does_it_on_purpose(corpus, tmp_path):
     out = tmp_path / "run"
     every2 = ("--set", "train.checkpoint_every=2")

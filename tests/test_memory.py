@@ -111,6 +111,7 @@ def test_cli_json(capsys):
     assert out["fits"] is True and out["max_micro_batch"] >= out["micro_batch"] == 2
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_the_compiled_step_holds_exactly_the_planned_state():
     """XLA's per-device arguments are the plan's parameters, optimizer state and input tokens to the
     byte (plus the step's two scalars: an int32 data step and a bool), with FSDP and without; FSDP

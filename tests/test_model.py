@@ -154,6 +154,7 @@ def small_lm(**model):
     return m, init_params(m, jax.random.PRNGKey(0)), init_state(m)
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_causal_and_windowed():
     """A later token never changes an earlier output; in one windowed layer, nothing beyond the window does."""
     m, p, st = small_lm(n_layers=2, sliding_window=4, global_every=0)
@@ -205,6 +206,7 @@ def test_loss_terms_match_their_formulas():
     assert float(loss2) == pytest.approx(float(loss) + 0.1 * np.mean(aux) + 0.01 * np.mean(rz), rel=1e-5)
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_eval_dispatch_runs_dropless():
     m, p, st = small_lm(dispatch="capacity", capacity_factor=0.5, eval_dispatch="dropless")
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 17), 0, 64)
@@ -229,6 +231,7 @@ def test_metrics_per_layer_have_their_shapes():
     assert new_state["router_bias"].shape == (2, 4) and float(jnp.abs(new_state["router_bias"]).sum()) > 0
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_bf16_compute_is_close_to_fp32():
     from moelab.model.moe import moe_block
     from moelab.model.transformer import FP32_PARAMS

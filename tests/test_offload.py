@@ -61,6 +61,7 @@ def test_offload_gives_the_same_steps(mesh_shape):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_compiled_program_keeps_optimizer_state_in_host_memory():
     """XLA's compiled entry layout: every optimizer-state parameter and result in host memory
     (S(5)), nothing else; without offload, nothing."""

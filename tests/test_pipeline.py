@@ -14,6 +14,10 @@ from moelab.lab.executor import Runner
 from moelab.lab.steps import forecast_step, health_step, ladder_steps, train_step
 from moelab.runs import read_jsonl
 
+# the pipeline fixture trains a ladder and its target (62 s): `make test-all` (CI) runs this module; make
+# test measured 18:52 with it
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pipeline(corpus, tmp_path_factory):

@@ -210,6 +210,7 @@ def production_band_coverage(scale: float = 1.0, corpora: int = 20, draws: int =
             "final_half_width": float(np.mean(half)), "forecasts": len(finals)}  # fmt: skip
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_the_production_band_covers_a_law_it_does_not_contain():
     """The band real forecasts use (law prior-alpha: the exponent drawn from the prior's spread across
     corpora, the sizes resampled, the target's seed noise), with the prior fitted leave-one-corpus-out,

@@ -162,6 +162,7 @@ def test_the_health_step_refuses_a_forecast_the_journal_never_registered(tmp_pat
 # ------------------------------------------------------------------------------- leases that hold
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_a_frozen_runner_that_lost_its_lease_commits_nothing_and_adds_no_journal_line(tmp_path, monkeypatch):
     """Runner A is frozen (SIGSTOP) inside step a past the lease timeout; runner B takes the step
     over and finishes the experiment; A, resumed (SIGCONT), finishes its copy of step a but finds

@@ -37,6 +37,7 @@ def faults_per_call(tunables: str) -> float:
 
 
 @needs_thp
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_huge_pages_remove_most_per_call_page_faults():
     """128 MiB of temporaries is 32,768 fresh 4 KiB pages per call by default, 64 huge pages with the tunable,
     and none once the heap keeps what is freed (MOELAB_MALLOC=keep)."""
@@ -123,6 +124,7 @@ def test_chunked_cross_entropy_never_holds_the_whole_logits():
     assert whole - chunked > logits  # the logits and their gradient are gone
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_layer_remat_shrinks_the_step_buffer():
     """XLA's own accounting: with remat=layer the step keeps about one layer's activations, not all."""
     import jax

@@ -185,6 +185,7 @@ def test_kill_during_checkpoint_save_is_ignored_on_resume(corpus, reference_run,
     assert not list((out / "ckpt").glob("*.orbax-checkpoint-tmp*"))
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, reference_run, tmp_path):
     import shutil
 
@@ -274,6 +275,7 @@ def test_nan_step_is_skipped(corpus, tmp_path):
     assert np.isnan(steps[6]["loss"]) and np.isfinite(steps[7]["loss"]) and np.isfinite(summary["final_loss"])
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_nan_run_restores_the_checkpoint_and_skips_the_batches(corpus, tmp_path):
     cfg = _micro(corpus, "train.steps=24", "train.poison_steps=[12, 13, 14]", "train.eval_every=24")
     train(cfg, tmp_path / "run", progress=False)
@@ -370,6 +372,7 @@ def test_metrics_and_eval_records(corpus, tmp_path):
     assert sum(r["epochs"][d] * windows[d] for d in windows) == pytest.approx(20 * 4)
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
     """Also a validation set (data.validation): evaluated in the loop, never trained on, outside
     macro and mix; `moelab eval --data` on the same source gives the same numbers."""
@@ -395,6 +398,7 @@ def test_eval_command_reproduces_the_final_eval(corpus, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run"), "--checkpoint", "7"]) == 2
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_eval_noise_on_disjoint_windows(corpus, tmp_path, capsys):
     cfg = _micro(corpus, "train.steps=6", "train.eval_every=6", "train.eval_tokens=64")
     train(cfg, tmp_path / "run", progress=False)
@@ -512,6 +516,7 @@ def test_wandb_settings_come_from_the_config_then_the_environment_and_a_resume_k
     assert flat == {"dropped_frac_per_layer/layer_0": 0.1, "dropped_frac_per_layer/layer_1": 0.2, "loss/mix": 3.0}
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_a_resumed_run_continues_its_wandb_run(corpus, tmp_path):
     """A run stopped after two steps and resumed: one W&B id, kept in the folder, for both launches."""
     from moelab.config import load_config
@@ -566,6 +571,7 @@ def test_health_runs_in_the_loop_and_offline(corpus, tmp_path, capsys):
     assert rows["lr_schedule"]["level"] == "OK"
 
 
+@pytest.mark.slow  # over 8 s: `make test-all` (CI) runs it; make test measured 18:52 with it
 def test_an_injected_fault_is_caught_by_the_health_checks(corpus, tmp_path):
     cfg = _micro(corpus, "train.steps=40", "train.eval_every=40", "train.inject=[lr_spike@25:60]")
     train(cfg, tmp_path / "run", progress=False)

@@ -12,6 +12,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from moelab.errors import UsageError
 from moelab.jsonl import jsonable
 
 
@@ -19,8 +20,6 @@ def cache_root() -> Path:
     """MOELAB_CACHE (``.moelab_cache`` by default); a file there is refused in one line."""
     root = Path(os.environ.get("MOELAB_CACHE", ".moelab_cache"))
     if root.exists() and not root.is_dir():
-        from moelab.errors import UsageError
-
         raise UsageError(f"MOELAB_CACHE: {root} is a file, not a folder; point it at a folder (or unset it)")
     return root
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from etils import epath
 
+from moelab.errors import UsageError
+
 
 def is_local(root) -> bool:
     """Whether ``root`` is a POSIX path (fsync and rename apply) rather than an object store URL."""
@@ -23,8 +25,6 @@ def writable_place(out: str | Path, flag: str = "--out", make: bool = False) -> 
     naming the flag, rather than a traceback once the work is done."""
     import os
     import tempfile
-
-    from moelab.errors import UsageError
 
     out = Path(os.path.abspath(out))
     above = out.parent

@@ -77,6 +77,12 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     if args.host_memory is not None and not args.host_memory > 0:
         raise UsageError(f"--host-memory: must be > 0 GB, got {args.host_memory:g}")
+    whole = cfg.train.batch_size // (data * expert)  # a device's sequences, where the batch splits
+    if args.micro_batch and cfg.train.batch_size % (data * expert) == 0 and whole % args.micro_batch:
+        raise UsageError(  # train refuses a train.micro_batch that does not divide train.batch_size
+            f"--micro-batch: {args.micro_batch} sequences per device does not divide the {whole} each device takes "
+            f"of train.batch_size={cfg.train.batch_size}, and train would refuse it; give a divisor of {whole}"
+        )
     out = memory.plan(
         cfg, data, expert, micro_batch=args.micro_batch, device=args.device, device_memory_gb=args.device_memory,
         host_memory_gb=args.host_memory,

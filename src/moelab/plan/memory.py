@@ -293,11 +293,6 @@ def plan(
         micro_batch = mb // n_dev if mb and mb % n_dev == 0 else whole
     if micro_batch < 1:
         raise UsageError(f"--micro-batch: must be >= 1, got {micro_batch}")
-    if whole % micro_batch:  # train refuses a train.micro_batch that does not divide train.batch_size
-        raise UsageError(
-            f"--micro-batch: {micro_batch} sequences per device does not divide the {whole} each device takes of "
-            f"train.batch_size={cfg.train.batch_size}, and train would refuse it; give a divisor of {whole}"
-        )
     whole = max(whole, micro_batch)
     n_micro = max(1, whole // micro_batch)
     fsdp = cfg.mesh.fsdp if fsdp is None else fsdp
