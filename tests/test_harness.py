@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moelab.cli import main
-from moelab.eval.harness import NEEDS
+from moelab.export.harness import NEEDS
 
 
 def _err(capsys) -> list[str]:
@@ -113,9 +113,9 @@ def test_harness_runs_a_local_task_and_agrees_with_moelab(tiny_run, corpus, tmp_
     torch = pytest.importorskip("torch")
     from tokenizers import Tokenizer
 
-    from moelab.eval.harness import evaluate_harness
     from moelab.eval.tasks import load_task, score
     from moelab.export import load_trained
+    from moelab.export.harness import evaluate_harness
     from moelab.train.run_tasks import evaluate_tasks
     from test_export import moelab_logits
 

@@ -348,7 +348,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _harness(args: argparse.Namespace) -> int:
-    """`moelab eval RUN --harness TASK,...`: lm-evaluation-harness on the exported checkpoint (moelab.eval.harness)."""
+    """`moelab eval RUN --harness TASK,...`: lm-evaluation-harness on the exported checkpoint (moelab.export.harness)."""
     import json as _json
 
     given = [n for n in ("tasks", "noise", "against", "data") if getattr(args, n)]
@@ -357,7 +357,7 @@ def _harness(args: argparse.Namespace) -> int:
     specs = [s.strip() for s in args.harness.split(",") if s.strip()]
     if not specs:
         raise UsageError("--harness: give lm-eval task names or task YAML paths, separated by commas")
-    from moelab.eval.harness import evaluate_harness
+    from moelab.export.harness import evaluate_harness
 
     res = evaluate_harness(args.run_dir, specs, args.checkpoint, limit=args.limit, progress=not args.json)
     if args.json:
