@@ -57,14 +57,15 @@ def name_of(width: int, seed: int, order: int = 0) -> str:
     return f"d{width}" + (f"-s{seed}" if seed else "") + (f"-o{order}" if order else "")
 
 
-def load_curves(root: Path) -> dict[str, dict[str, dict]]:
-    """corpus -> run name -> its per-fraction curve, for every complete run."""
+def load_curves(root: Path, with_head: bool = False) -> dict[str, dict[str, dict]]:
+    """corpus -> run name -> its per-fraction curve, for every complete run (``with_head``: its compute
+    counts the LM head)."""
     from moelab import accounting
     from moelab.ladder.forecast import _run_config, rung_curve
 
     out = {}
     for cdir in sorted(p for p in root.iterdir() if p.is_dir()):
-        runs = {d.name: {**rung_curve(d), "train_flops": accounting.run_train(_run_config(d))["train_flops"]}
+        runs = {d.name: {**rung_curve(d, with_head=with_head), "train_flops": accounting.run_train(_run_config(d))["train_flops"]}
                 for d in sorted(cdir.iterdir()) if (d / "summary.json").exists()}  # fmt: skip
         if TARGET in runs:
             out[cdir.name] = runs
@@ -133,7 +134,11 @@ def main() -> None:
     ap.add_argument("--root", default=str(ROOT / "runs" / "bench" / "calib"))
     ap.add_argument("--design", default=None, help="the demo's design (default: the best by leave-one-corpus-out)")
     ap.add_argument("--no-write-prior", action="store_true")
+    ap.add_argument("--with-head", action="store_true",
+                    help="item 4's variant: compute counts the LM head; writes forecast_calibration_with_head.json only")  # fmt: skip
     args = ap.parse_args()
+    if args.with_head:
+        args.no_write_prior = True
     t0 = time.time()
 
     def log(text):
@@ -142,7 +147,7 @@ def main() -> None:
     from dev_corpora import CORPORA
 
     log(f"reading the runs under {args.root} ...")
-    curves = load_curves(Path(args.root))
+    curves = load_curves(Path(args.root), args.with_head)
     aside = {c: r for c, r in curves.items() if c not in CORPORA}  # kept aside: judged once, at the end
     curves = {c: r for c, r in curves.items() if c in CORPORA}
     if len(curves) < 3:
@@ -276,6 +281,12 @@ def main() -> None:
            "seconds": round(time.time() - t0), "recipe": key, "corpora": list(curves), "design": design, "params": params,
            "repeats": repeats, "results": results, "kept_aside": kept_aside, "forecasts": forecasts, "coverage": coverage, "stability": stability,
            "prior": prior_all.to_dict()}  # fmt: skip
+    if args.with_head:  # a comparison: the shipped prior, the manual and the figure stay as they are
+        out["compute"] = "with the LM head"
+        (RESULTS / "forecast_calibration_with_head.json").write_text(json.dumps(out, indent=1) + "\n")
+        log(f"-> {RESULTS / 'forecast_calibration_with_head.json'}")
+        print_table(out)
+        return
     (RESULTS / "forecast_calibration.json").write_text(json.dumps(out, indent=1) + "\n")
     log(f"-> {RESULTS / 'forecast_calibration.json'}")
     figure(out, ROOT / "docs" / "forecast_corpora.svg")
