@@ -7,7 +7,7 @@ and data orders 1 and 2 (train.data_seed) of seeds 0 and 1 (three data orders in
 Runs go to runs/bench/calib/CORPUS/NAME and are reused when complete (a killed job resumes from the
 run's last checkpoint). On 2 cores: about 9 minutes per corpus, 20 for the stability runs.
 
-    python benchmarks/calib_train.py [--corpora stdlib cheaders ...] [--no-stability]
+    python benchmarks/calib_train.py [--corpora stdlib cheaders ...] [--no-stability] [--extra-target 112]
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ PARAM_SEEDS = 6  # stability: three ladders of two parameter seeds
 DATA_SEEDS = 3  # stability: three data orders of the seed-0/1 ladder
 
 
-def jobs(corpus: str, stability: bool) -> list[tuple[str, object]]:
+def jobs(corpus: str, stability: bool, extra_targets: tuple[int, ...] = ()) -> list[tuple[str, object]]:
+    import dataclasses
+
     from dev_corpora import sources_override
     from moelab.config import load_config
     from moelab.ladder.plan import load_ladder, rung_config
@@ -41,6 +43,8 @@ def jobs(corpus: str, stability: bool) -> list[tuple[str, object]]:
         for k in range(seeds):
             out.append((f"d{d}" + (f"-s{k}" if k else ""), load_config(base, [f"train.seed={k}"])))
     out.append((f"d{lad.target_width}", load_config(rung_config(lad, n), data)))
+    for w in extra_targets:  # another target by the same rules (d112: 10.0x the d56 rung's training FLOPs)
+        out.append((f"d{w}", load_config(rung_config(dataclasses.replace(lad, target_width=w), n), data)))
     if stability:
         for i, d in enumerate(lad.widths):
             base = load_config(rung_config(lad, i), data)
@@ -61,6 +65,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "calib"))
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA))
     ap.add_argument("--no-stability", action="store_true")
+    ap.add_argument(
+        "--extra-target", type=int, nargs="*", default=[], help="more target widths (e.g. 112), once per corpus"
+    )
     args = ap.parse_args()
     todo = []
     for corpus in args.corpora:
@@ -68,7 +75,7 @@ def main() -> None:
         if why:
             print(f"skipped: {why}", flush=True)
             continue
-        todo += [(corpus, name, cfg) for name, cfg in jobs(corpus, False)]
+        todo += [(corpus, name, cfg) for name, cfg in jobs(corpus, False, tuple(args.extra_target))]
     if not args.no_stability and "stdlib" in args.corpora:
         base = {name for _, name, _ in todo}
         todo += [("stdlib", name, cfg) for name, cfg in jobs("stdlib", True) if name not in base]

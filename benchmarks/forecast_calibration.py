@@ -50,7 +50,8 @@ DESIGNS = {  # name -> (widths, seeds per width, seeds of the top rungs, how man
 }
 MIN_RATIO = 10.0  # the target's training FLOPs over the largest rung's, at least (issue 37)
 LAWS = ("prior-alpha", "prior-e", "marin", "prior-map")
-TARGET = "d104"
+TARGET = "d104"  # the target width's run (--target d112: the d56 top rung's admissible target, 10.0x its FLOPs)
+TARGETS = ("d104", "d112")  # trained targets: never rungs
 
 
 def name_of(width: int, seed: int, order: int = 0) -> str:
@@ -127,6 +128,7 @@ def one(rungs, weights, truth, prior, law, n_boot=400) -> dict:
 
 
 def main() -> None:
+    global TARGET
     from moelab.ladder.plan import load_ladder
     from moelab.ladder.prior import corpus_params, fit_prior, prior_path, recipe_fields, recipe_key, save_prior
 
@@ -135,9 +137,13 @@ def main() -> None:
     ap.add_argument("--design", default=None, help="the demo's design (default: the best by leave-one-corpus-out)")
     ap.add_argument("--no-write-prior", action="store_true")
     ap.add_argument("--with-head", action="store_true",
-                    help="item 4's variant: compute counts the LM head; writes forecast_calibration_with_head.json only")  # fmt: skip
+                    help="item 4's variant: compute counts the LM head (a comparison: writes its own json only)")  # fmt: skip
+    ap.add_argument("--target", default=TARGET, choices=TARGETS,
+                    help="the target run forecast (d112: a comparison, written to its own json only)")  # fmt: skip
     args = ap.parse_args()
-    if args.with_head:
+    TARGET = args.target
+    variant = ("_with_head" if args.with_head else "") + (f"_{TARGET}" if TARGET != TARGETS[0] else "")
+    if variant:
         args.no_write_prior = True
     t0 = time.time()
 
@@ -157,7 +163,7 @@ def main() -> None:
     key = recipe_key(lad)
     params, repeats = {}, {}
     for c, runs in curves.items():
-        rungs = [r for n, r in runs.items() if n != TARGET and "-o" not in n]
+        rungs = [r for n, r in runs.items() if n not in TARGETS and "-o" not in n]
         p = corpus_params(rungs, runs[TARGET])
         i = p["fractions"].index(1.0)
         ep = target_epochs(runs[TARGET])
@@ -281,10 +287,12 @@ def main() -> None:
            "seconds": round(time.time() - t0), "recipe": key, "corpora": list(curves), "design": design, "params": params,
            "repeats": repeats, "results": results, "kept_aside": kept_aside, "forecasts": forecasts, "coverage": coverage, "stability": stability,
            "prior": prior_all.to_dict()}  # fmt: skip
-    if args.with_head:  # a comparison: the shipped prior, the manual and the figure stay as they are
-        out["compute"] = "with the LM head"
-        (RESULTS / "forecast_calibration_with_head.json").write_text(json.dumps(out, indent=1) + "\n")
-        log(f"-> {RESULTS / 'forecast_calibration_with_head.json'}")
+    out["target"] = TARGET
+    out["compute"] = "with the LM head" if args.with_head else "without the LM head"
+    if variant:  # a comparison: the shipped prior, the manual and the figure stay as they are
+        path = RESULTS / f"forecast_calibration{variant}.json"
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        log(f"-> {path}")
         print_table(out)
         return
     (RESULTS / "forecast_calibration.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -312,7 +320,7 @@ def figure(out: dict, path: Path) -> None:
         ax.fill_between(x, [p["low"] for p in a["curve"]], [p["high"] for p in a["curve"]], color="C0", alpha=0.25,
                         label="90% band")  # fmt: skip
         ax.plot(x, [p["predicted"] for p in a["curve"]], "C0--", label=f"forecast ({a['law']})")
-        ax.plot(x, [p["actual"] for p in a["curve"]], "C3.-", lw=0.8, label="target d104")
+        ax.plot(x, [p["actual"] for p in a["curve"]], "C3.-", lw=0.8, label=f"target {out.get('target', 'd104')}")
         ax.set_title(f"{c}: final {a['final_error']:+.2%}, mean>20% {a['mean_abs_past_20']:.2%}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.set_xlim(0.2, 1.02)
@@ -323,7 +331,8 @@ def figure(out: dict, path: Path) -> None:
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(
-        f"The d104 target forecast from {out['design']} with the prior fitted on the other corpora", fontsize=10
+        f"The {out.get('target', 'd104')} target forecast from {out['design']} with the prior fitted on the other corpora",
+        fontsize=10,
     )
     fig.supxlabel("fraction of the run")
     fig.supylabel("held-out loss, mix (nats / token)")
@@ -338,7 +347,7 @@ def manual_tables(out: dict) -> str:
     """The manual's tables: per corpus against the targets, the designs, stability, coverage, the prior."""
     d = out["design"]
     lines = [f"Measured {out['date']} (`{out['command']}`; figures in `benchmarks/results/forecast_calibration.json`).",
-             f"The demo's design: **{d}**, two seeds a size, target d104; the prior for each corpus fitted on the "
+             f"The demo's design: **{d}**, two seeds a size, target {out.get('target', 'd104')}; the prior for each corpus fitted on the "
              "others (leave-one-corpus-out). Targets: mean |error| past 20% <= 1%, final <= 1%, band <= +-3%.", "",
              "| corpus | law (forward chaining) | mean \\|error\\| past 20% | final error | final band | inside |",
              "|---|---|---|---|---|---|"]  # fmt: skip
