@@ -58,7 +58,7 @@ def name_of(width: int, seed: int, order: int = 0) -> str:
     return f"d{width}" + (f"-s{seed}" if seed else "") + (f"-o{order}" if order else "")
 
 
-def load_curves(root: Path, with_head: bool = False) -> dict[str, dict[str, dict]]:
+def load_curves(root: Path, target: str = TARGET, with_head: bool = False) -> dict[str, dict[str, dict]]:
     """corpus -> run name -> its per-fraction curve, for every complete run (``with_head``: its compute
     counts the LM head)."""
     from moelab import accounting
@@ -68,7 +68,7 @@ def load_curves(root: Path, with_head: bool = False) -> dict[str, dict[str, dict
     for cdir in sorted(p for p in root.iterdir() if p.is_dir()):
         runs = {d.name: {**rung_curve(d, with_head=with_head), "train_flops": accounting.run_train(_run_config(d))["train_flops"]}
                 for d in sorted(cdir.iterdir()) if (d / "summary.json").exists()}  # fmt: skip
-        if TARGET in runs:
+        if target in runs:
             out[cdir.name] = runs
     return out
 
@@ -128,7 +128,6 @@ def one(rungs, weights, truth, prior, law, n_boot=400) -> dict:
 
 
 def main() -> None:
-    global TARGET
     from moelab.ladder.plan import load_ladder
     from moelab.ladder.prior import corpus_params, fit_prior, prior_path, recipe_fields, recipe_key, save_prior
 
@@ -141,8 +140,8 @@ def main() -> None:
     ap.add_argument("--target", default=TARGET, choices=TARGETS,
                     help="the target run forecast (d112: a comparison, written to its own json only)")  # fmt: skip
     args = ap.parse_args()
-    TARGET = args.target
-    variant = ("_with_head" if args.with_head else "") + (f"_{TARGET}" if TARGET != TARGETS[0] else "")
+    target = args.target
+    variant = ("_with_head" if args.with_head else "") + (f"_{target}" if target != TARGETS[0] else "")
     if variant:
         args.no_write_prior = True
     t0 = time.time()
@@ -153,7 +152,7 @@ def main() -> None:
     from dev_corpora import CORPORA
 
     log(f"reading the runs under {args.root} ...")
-    curves = load_curves(Path(args.root), args.with_head)
+    curves = load_curves(Path(args.root), target, args.with_head)
     aside = {c: r for c, r in curves.items() if c not in CORPORA}  # kept aside: judged once, at the end
     curves = {c: r for c, r in curves.items() if c in CORPORA}
     if len(curves) < 3:
@@ -164,9 +163,9 @@ def main() -> None:
     params, repeats = {}, {}
     for c, runs in curves.items():
         rungs = [r for n, r in runs.items() if n not in TARGETS and "-o" not in n]
-        p = corpus_params(rungs, runs[TARGET])
+        p = corpus_params(rungs, runs[target])
         i = p["fractions"].index(1.0)
-        ep = target_epochs(runs[TARGET])
+        ep = target_epochs(runs[target])
         log(
             f"{c}: the prior's view at the end: alpha {p['alpha'][i]:.3f}, E/top {p['e_share'][i]:.3f}; "
             f"the target reads {ep:.2f} epochs"
@@ -184,7 +183,7 @@ def main() -> None:
     forecasts = []  # real forecasts, for the band's coverage
     for c, runs in curves.items():
         prior = fit_prior(params, key, leave_out=c)
-        truth = runs[TARGET]
+        truth = runs[target]
         for design in DESIGNS:
             rungs, weights = ladder(runs, design)
             if not rungs:
@@ -198,7 +197,7 @@ def main() -> None:
     # the demo's design: of those whose target has >= 10x the top rung's training FLOPs, the smallest
     # mean |error| past 20% over the corpora (forward chaining's law)
     some = next(iter(curves.values()))
-    ratio = {d: some[TARGET]["train_flops"] / some[f"d{DESIGNS[d][0][-1]}"]["train_flops"] for d in DESIGNS}
+    ratio = {d: some[target]["train_flops"] / some[f"d{DESIGNS[d][0][-1]}"]["train_flops"] for d in DESIGNS}
     design = args.design or min(
         (d for d in DESIGNS if all(d in results[c] for c in curves) and ratio[d] >= MIN_RATIO),
         key=lambda d: np.mean([results[c][d]["auto"]["mean_abs_past_20"] for c in curves]),
@@ -226,7 +225,7 @@ def main() -> None:
     stability = {}
     if "stdlib" in curves:
         runs, prior = curves["stdlib"], fit_prior(params, key, leave_out="stdlib")
-        truth = runs[TARGET]
+        truth = runs[target]
         for kind, ladders in (("parameter seeds", [((0, 1), 0), ((2, 3), 0), ((4, 5), 0)]),
                               ("data orders", [((0, 1), 0), ((0, 1), 1), ((0, 1), 2)])):  # fmt: skip
             finals, rows = [], []
@@ -268,8 +267,8 @@ def main() -> None:
         rungs, weights = ladder(runs, design)
         if not rungs:
             continue
-        a = one(rungs, weights, runs[TARGET], prior_all, "auto")
-        kept_aside[c] = {**a, "target_epochs": target_epochs(runs[TARGET])}
+        a = one(rungs, weights, runs[target], prior_all, "auto")
+        kept_aside[c] = {**a, "target_epochs": target_epochs(runs[target])}
         log(
             f"kept aside {c}: {a['law']} mean {a['mean_abs_past_20']:.2%} final {a['final_error']:+.2%} "
             f"band {a['final_band'][0]:+.1%}/{a['final_band'][1]:+.1%}"
@@ -287,9 +286,14 @@ def main() -> None:
            "seconds": round(time.time() - t0), "recipe": key, "corpora": list(curves), "design": design, "params": params,
            "repeats": repeats, "results": results, "kept_aside": kept_aside, "forecasts": forecasts, "coverage": coverage, "stability": stability,
            "prior": prior_all.to_dict()}  # fmt: skip
-    out["target"] = TARGET
+    out["target"] = target
     out["compute"] = "with the LM head" if args.with_head else "without the LM head"
     if variant:  # a comparison: the shipped prior, the manual and the figure stay as they are
+        flags = ("--with-head " if args.with_head else "") + (f"--target {target}" if target != TARGETS[0] else "")
+        extra = f" --extra-target {target[1:]}" if target != TARGETS[0] else ""
+        out["command"] = (
+            f"python benchmarks/calib_train.py --no-stability{extra} && python benchmarks/forecast_calibration.py {flags.strip()}"
+        )
         path = RESULTS / f"forecast_calibration{variant}.json"
         path.write_text(json.dumps(out, indent=1) + "\n")
         log(f"-> {path}")
