@@ -166,6 +166,18 @@ def script_of(name: str) -> str:
     return ""
 
 
+def owner(plot: str, names) -> str | None:
+    """The result a plot belongs to: the longest result name that is the plot's name or its prefix up to
+    an underscore (forecast_tokens.svg is forecast_tokens', not forecast's; memory_plan.svg memory_plan's)."""
+    mine = [n for n in names if plot == n or plot.startswith(n + "_")]
+    return max(mine, key=len) if mine else None
+
+
+def plots_of(name: str, results: Path = RESULTS) -> list[Path]:
+    names = [p.stem for p in results.glob("*.json")]
+    return [svg for svg in sorted(results.glob(f"{name}*.svg")) if owner(svg.stem, names) == name]
+
+
 def page(name: str, d) -> tuple[str, list[Path]]:
     """The page for results/<name>.json and the files (plots) it shows."""
     info = d if isinstance(d, dict) else {}
@@ -185,7 +197,7 @@ def page(name: str, d) -> tuple[str, list[Path]]:
         "",
     ]
     shown = []
-    for svg in sorted(RESULTS.glob(f"{name}*.svg")):
+    for svg in plots_of(name):
         out.append(f"![{svg.stem}]({svg.name})\n")
         shown.append(svg)
     out.append("## Figures\n")

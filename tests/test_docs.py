@@ -291,6 +291,23 @@ def test_results_page_renders_figures_as_written():
     assert rp.fmt(1.5e-5) == "1.5e-05" and rp.fmt(True) == "true" and rp.fmt(None) == "-"
 
 
+def test_a_plot_goes_on_its_own_results_page_only(tmp_path):
+    """forecast_tokens.svg is the forecast_tokens result's plot, never the forecast result's (whose name
+    prefixes it); a plot with a suffix of its own (memory_plan_a.svg) stays with its result."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_pages as rp
+    finally:
+        sys.path.pop(0)
+    for name in ("forecast", "forecast_tokens", "memory_plan"):
+        (tmp_path / f"{name}.json").write_text("{}")
+    for plot in ("forecast_tokens", "memory_plan_a", "forecast"):
+        (tmp_path / f"{plot}.svg").write_text("<svg/>")
+    assert [p.name for p in rp.plots_of("forecast", tmp_path)] == ["forecast.svg"]
+    assert [p.name for p in rp.plots_of("forecast_tokens", tmp_path)] == ["forecast_tokens.svg"]
+    assert [p.name for p in rp.plots_of("memory_plan", tmp_path)] == ["memory_plan_a.svg"]
+
+
 def test_the_speed_page_shows_every_measured_figure_beside_its_target():
     """docs/results/speed.md (benchmarks/speed_page.py): each shape's ratio, each writer's ratio and
     each cold process's first step, as the results files hold them, each said met or missed."""
