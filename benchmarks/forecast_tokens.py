@@ -187,8 +187,9 @@ def design(runs: dict, budgets, seeds=SEEDS) -> tuple[list[dict], dict]:
     return ([r for v in cells.values() for r in v] if complete else []), cells
 
 
-def baseline(calib: Path, corpora: list[str], log) -> dict:
-    """Forward chaining on the 20-token runs alone (d24-d48, two seeds), the prior leave-one-corpus-out."""
+def loo_priors(calib: Path, corpora: list[str]) -> tuple[dict, dict]:
+    """The 20-token runs' curves per corpus (forecast_calibration.load_curves) and, per corpus, the prior
+    fitted on the others (leave-one-corpus-out, as forecast_calibration.py fits it)."""
     import forecast_calibration as fcal
     from moelab.ladder.plan import load_ladder
     from moelab.ladder.prior import corpus_params, fit_prior, recipe_key
@@ -200,11 +201,19 @@ def baseline(calib: Path, corpora: list[str], log) -> dict:
         if fcal.target_epochs(runs[TARGET]) <= 1.0:  # a target that repeats its data is not in the prior
             rungs = [r for n, r in runs.items() if n not in fcal.TARGETS and "-o" not in n]
             params[c] = corpus_params(rungs, runs[TARGET])
+    return curves, {c: fit_prior(params, key, leave_out=c) for c in curves}
+
+
+def baseline(calib: Path, corpora: list[str], log) -> dict:
+    """Forward chaining on the 20-token runs alone (d24-d48, two seeds), the prior leave-one-corpus-out."""
+    import forecast_calibration as fcal
+
+    curves, priors = loo_priors(calib, corpora)
     out = {}
     for c, runs in curves.items():
         rungs, weights = fcal.ladder(runs, "d24-d48")
         if rungs:
-            out[c] = fcal.one(rungs, weights, runs[TARGET], fit_prior(params, key, leave_out=c), "auto")
+            out[c] = fcal.one(rungs, weights, runs[TARGET], priors[c], "auto")
             log(f"{c:9s} baseline (forward chaining, 20 tokens): {out[c]['law']} mean {out[c]['mean_abs_past_20']:.2%} "
                 f"final {out[c]['final_error']:+.2%}")  # fmt: skip
     return out

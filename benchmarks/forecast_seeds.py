@@ -1,0 +1,158 @@
+"""Issue 37, item 3: how many seeds a size the forecast needs, from the runs' own noise.
+
+The stability target (the final forecast's sd over seeds <= 0.5%) asks how far the run-to-run noise of
+the rungs moves the forecast at the target. Per development corpus, the 20-token calibration runs
+(benchmarks/calib_train.py: widths 16-56, two or three seeds) give each width's mean curve and its
+seeds' deviations from it. Simulated ladders draw each run as its width's mean times one of those
+deviations with a random sign, for a design (widths 24-48 or 24-56) and s seeds a width; each is
+forecast at the d104 target with each two-parameter law held (the prior leave-one-corpus-out), and the
+sd of the forecasts over the ladders is the noise's share of the forecast. Checked against the two
+one-seed ladders the runs hold (seed 0 alone, seed 1 alone). No training: it reads runs/bench/calib.
+The prediction was committed before this first ran: benchmarks/results/forecast_seeds_prediction.md.
+
+    python benchmarks/forecast_seeds.py [--draws 200]   # -> benchmarks/results/forecast_seeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DESIGNS = {"d24-d48": (24, 32, 40, 48), "d24-d56": (24, 32, 40, 48, 56)}
+SEEDS = (1, 2, 4, 8)
+LAWS = ("prior-alpha", "prior-e", "marin", "prior-map")
+FRACTIONS = (0.5, 1.0)
+TARGET_SD = 0.005
+
+
+def widths_of(runs: dict) -> dict[int, dict]:
+    """width -> its mean curve at FRACTIONS, its seeds' relative deviations (one run's spread) and its flops."""
+    out = {}
+    for w in sorted({int(m[1]) for n in runs if (m := re.fullmatch(r"d(\d+)(-s\d+)?", n))}):
+        members = [r for n, r in runs.items() if re.fullmatch(rf"d{w}(-s\d+)?", n)]
+        if len(members) < 2 or any(f not in r["fractions"] for r in members for f in FRACTIONS):
+            continue
+        y = np.array([[r["fractions"][f] for f in FRACTIONS] for r in members])
+        mean = y.mean(0)
+        dev = (y / mean - 1) * math.sqrt(len(members) / (len(members) - 1))
+        out[w] = {"mean": mean, "dev": dev, "flops": float(members[0]["flops"])}
+    return out
+
+
+def forecast(curves: list[dict], prior, law: str, target_flops: float) -> list[float]:
+    """The law's forecast of the target at FRACTIONS, as moelab.ladder.prior.forecast_prior fits it."""
+    from moelab.ladder.prior import MODES, _points, _predict, fit_at
+
+    out = []
+    for f in FRACTIONS:
+        c, loss, size = _points(curves, f)
+        fit = fit_at(c, loss, size, float(np.exp(np.mean(np.log(c)))), prior.at(f), MODES[law])
+        out.append(_predict(fit, target_flops * f))
+    return out
+
+
+def simulated(noise: dict, widths, seeds: int, rng: np.random.Generator) -> list[dict]:
+    curves = []
+    for w in widths:
+        nz = noise[w]
+        for _ in range(seeds):
+            d = nz["dev"][rng.integers(len(nz["dev"]))] * rng.choice((-1.0, 1.0))
+            y = nz["mean"] * (1 + d)
+            curves.append({"flops": nz["flops"], "fractions": dict(zip(FRACTIONS, y.tolist(), strict=True))})
+    return curves
+
+
+def main() -> None:
+    from dev_corpora import CORPORA
+    from forecast_tokens import TARGET, loo_priors
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calib", default=str(ROOT / "runs" / "bench" / "calib"))
+    ap.add_argument("--draws", type=int, default=200)
+    args = ap.parse_args()
+    if args.draws < 2:
+        print(f"--draws: {args.draws}; an sd needs at least 2 ladders", file=sys.stderr)
+        sys.exit(2)
+    t0 = time.time()
+
+    def log(text):
+        print(f"[{time.time() - t0:5.0f} s] {text}", flush=True)
+
+    log(f"reading the runs under {args.calib} ...")
+    curves, priors = loo_priors(Path(args.calib), list(CORPORA))
+    results = {}
+    for c, runs in curves.items():
+        rungs = {n: r for n, r in runs.items() if re.fullmatch(r"d\d+(-s\d+)?", n) and n != TARGET and n != "d112"}
+        noise = widths_of(rungs)
+        tf = float(runs[TARGET]["flops"])
+        row = {"run_sd_final": {str(w): float(np.sqrt(np.mean(v["dev"][:, -1] ** 2))) for w, v in noise.items()}}
+        one = {}  # the two one-seed ladders the runs hold, d24-d48
+        for law in LAWS:
+            f0, f1 = (forecast([runs[f"d{w}" + (f"-s{s}" if s else "")] for w in DESIGNS["d24-d48"]], priors[c], law, tf)[-1]
+                      for s in (0, 1))  # fmt: skip
+            one[law] = {"finals": [f0, f1], "sd": abs(f0 - f1) / math.sqrt(2) / ((f0 + f1) / 2)}
+        row["one_seed_measured"] = one
+        sims = {}
+        for design, widths in DESIGNS.items():
+            if not all(w in noise for w in widths):
+                log(f"{c}: {design}: a width without two seeds; skipped")
+                continue
+            for s in SEEDS:
+                rng = np.random.default_rng(0)
+                ladders = [simulated(noise, widths, s, rng) for _ in range(args.draws)]
+                for law in LAWS:
+                    pred = np.array([forecast(lad, priors[c], law, tf) for lad in ladders])
+                    sd = pred.std(0, ddof=1) / pred.mean(0)
+                    sims.setdefault(design, {}).setdefault(law, {})[str(s)] = {
+                        "final_sd": float(sd[-1]),
+                        "half_sd": float(sd[0]),
+                    }
+            log(f"{c:9s} {design}: final sd with s = " + ", ".join(f"{s}" for s in SEEDS) + ": " +
+                "; ".join(f"{law} " + " ".join(f"{sims[design][law][str(s)]['final_sd']:.2%}" for s in SEEDS) for law in LAWS))  # fmt: skip
+        row["simulated"] = sims
+        row["seeds_for_target"] = {d: {law: next((s for s in SEEDS if v[str(s)]["final_sd"] <= TARGET_SD), None)
+                                       for law, v in by.items()} for d, by in sims.items()}  # fmt: skip
+        results[c] = row
+    check = {}
+    for law in LAWS:
+        meas = [results[c]["one_seed_measured"][law]["sd"] for c in results]
+        sim = [
+            results[c]["simulated"]["d24-d48"][law]["1"]["final_sd"]
+            for c in results
+            if "d24-d48" in results[c]["simulated"]
+        ]
+        check[law] = {
+            "measured_rms": float(np.sqrt(np.mean(np.square(meas)))),
+            "simulated_rms": float(np.sqrt(np.mean(np.square(sim)))),
+        }
+        check[law]["ratio"] = check[law]["simulated_rms"] / check[law]["measured_rms"]
+        log(f"check, one-seed ladders d24-d48, {law}: measured RMS {check[law]['measured_rms']:.2%}, "
+            f"simulated {check[law]['simulated_rms']:.2%} (x{check[law]['ratio']:.2f})")  # fmt: skip
+    scaling = {law: float(np.mean([results[c]["simulated"]["d24-d48"][law]["8"]["final_sd"]
+                                   / results[c]["simulated"]["d24-d48"][law]["2"]["final_sd"] for c in results]))
+               for law in LAWS}  # fmt: skip
+    out = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+           "command": "python benchmarks/calib_train.py --no-stability && python benchmarks/forecast_seeds.py",
+           "seconds": round(time.time() - t0), "target": TARGET, "draws": args.draws, "target_sd": TARGET_SD,
+           "check_one_seed": check, "sd_ratio_8_to_2_seeds": scaling, "results": results}  # fmt: skip
+    path = RESULTS / "forecast_seeds.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    log(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
