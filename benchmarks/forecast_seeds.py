@@ -53,14 +53,16 @@ def widths_of(runs: dict) -> dict[int, dict]:
     return out
 
 
-def forecast(curves: list[dict], prior, law: str, target_flops: float) -> list[float]:
-    """The law's forecast of the target at FRACTIONS, as moelab.ladder.prior.forecast_prior fits it."""
+def forecast(curves: list[dict], prior, law: str, target_flops: float, weights: dict | None = None) -> list[float]:
+    """The law's forecast of the target at FRACTIONS, as moelab.ladder.prior.forecast_prior fits it
+    (``weights``: per size, its total FLOPs rounded to 1e3, as forecast_prior's ``size_weights``)."""
     from moelab.ladder.prior import MODES, _points, _predict, fit_at
 
     out = []
     for f in FRACTIONS:
         c, loss, size = _points(curves, f)
-        fit = fit_at(c, loss, size, float(np.exp(np.mean(np.log(c)))), prior.at(f), MODES[law])
+        w = np.array([weights[s] for s in size.tolist()]) if weights else None
+        fit = fit_at(c, loss, size, float(np.exp(np.mean(np.log(c)))), prior.at(f), MODES[law], w)
         out.append(_predict(fit, target_flops * f))
     return out
 
@@ -74,6 +76,28 @@ def simulated(noise: dict, widths, seeds: int, rng: np.random.Generator) -> list
             y = nz["mean"] * (1 + d)
             curves.append({"flops": nz["flops"], "fractions": dict(zip(FRACTIONS, y.tolist(), strict=True))})
     return curves
+
+
+def noise_weights(run_sd: dict[str, dict[int, float]], corpus: str, noise: dict, widths) -> dict:
+    """Per size of ``widths`` (its FLOPs rounded to 1e3): 1 / the run variance at that width, pooled over
+    the OTHER corpora (a recipe's noise by width, as the prior is the recipe's exponent), scaled to mean 1."""
+    var = {w: float(np.mean([sd[w] ** 2 for c, sd in run_sd.items() if c != corpus and w in sd])) for w in widths}
+    inv = {w: 1.0 / v for w, v in var.items()}
+    scale = len(widths) / sum(inv.values())
+    return {round(noise[w]["flops"], -3): inv[w] * scale for w in widths}
+
+
+def real_errors(runs: dict, prior, weights: dict | None, design: str) -> dict:
+    """The d104 target forecast from the design's two-seed runs, by each law held and by forward chaining."""
+    import forecast_calibration as fcal
+    from forecast_tokens import TARGET
+
+    rungs = [runs[f"d{w}" + (f"-s{s}" if s else "")] for w in DESIGNS[design] for s in (0, 1)]
+    out = {}
+    for law in (*LAWS, "auto"):
+        o = fcal.one(rungs, weights, runs[TARGET], prior, law, n_boot=100)
+        out[law] = {"law": o["law"], "mean_abs_past_20": o["mean_abs_past_20"], "final_error": o["final_error"]}
+    return out
 
 
 def main() -> None:
@@ -94,10 +118,14 @@ def main() -> None:
 
     log(f"reading the runs under {args.calib} ...")
     curves, priors = loo_priors(Path(args.calib), list(CORPORA))
-    results = {}
+    results, noises = {}, {}
     for c, runs in curves.items():
-        rungs = {n: r for n, r in runs.items() if re.fullmatch(r"d\d+(-s\d+)?", n) and n != TARGET and n != "d112"}
-        noise = widths_of(rungs)
+        noises[c] = widths_of(
+            {n: r for n, r in runs.items() if re.fullmatch(r"d\d+(-s\d+)?", n) and n not in (TARGET, "d112")}
+        )
+    run_sd = {c: {w: float(np.sqrt(np.mean(v["dev"][:, -1] ** 2))) for w, v in nz.items()} for c, nz in noises.items()}
+    for c, runs in curves.items():
+        noise = noises[c]
         tf = float(runs[TARGET]["flops"])
         row = {"run_sd_final": {str(w): float(np.sqrt(np.mean(v["dev"][:, -1] ** 2))) for w, v in noise.items()}}
         one = {}  # the two one-seed ladders the runs hold, d24-d48
@@ -106,24 +134,34 @@ def main() -> None:
                       for s in (0, 1))  # fmt: skip
             one[law] = {"finals": [f0, f1], "sd": abs(f0 - f1) / math.sqrt(2) / ((f0 + f1) / 2)}
         row["one_seed_measured"] = one
-        sims = {}
+        sims, real, weights = {}, {}, {}
         for design, widths in DESIGNS.items():
             if not all(w in noise for w in widths):
                 log(f"{c}: {design}: a width without two seeds; skipped")
                 continue
+            wts = noise_weights(run_sd, c, noise, widths)
+            weights[design] = {str(w): wts[round(noise[w]["flops"], -3)] for w in widths}
             for s in SEEDS:
                 rng = np.random.default_rng(0)
                 ladders = [simulated(noise, widths, s, rng) for _ in range(args.draws)]
                 for law in LAWS:
-                    pred = np.array([forecast(lad, priors[c], law, tf) for lad in ladders])
-                    sd = pred.std(0, ddof=1) / pred.mean(0)
-                    sims.setdefault(design, {}).setdefault(law, {})[str(s)] = {
-                        "final_sd": float(sd[-1]),
-                        "half_sd": float(sd[0]),
-                    }
-            log(f"{c:9s} {design}: final sd with s = " + ", ".join(f"{s}" for s in SEEDS) + ": " +
-                "; ".join(f"{law} " + " ".join(f"{sims[design][law][str(s)]['final_sd']:.2%}" for s in SEEDS) for law in LAWS))  # fmt: skip
+                    cell = {}
+                    for arm, wt in (("", None), ("weighted_", wts)):
+                        pred = np.array([forecast(lad, priors[c], law, tf, wt) for lad in ladders])
+                        sd = pred.std(0, ddof=1) / pred.mean(0)
+                        cell.update({f"{arm}final_sd": float(sd[-1]), f"{arm}half_sd": float(sd[0])})
+                    sims.setdefault(design, {}).setdefault(law, {})[str(s)] = cell
+            real[design] = {"unweighted": real_errors(runs, priors[c], None, design),
+                            "weighted": real_errors(runs, priors[c], wts, design)}  # fmt: skip
+            for arm in ("", "weighted_"):
+                log(f"{c:9s} {design} {arm or 'unweighted_'}final sd with s = {', '.join(map(str, SEEDS))}: " +
+                    "; ".join(f"{law} " + " ".join(f"{sims[design][law][str(s)][arm + 'final_sd']:.2%}" for s in SEEDS) for law in LAWS))  # fmt: skip
+            log(f"{c:9s} {design} final error, unweighted -> weighted: " +
+                "; ".join(f"{law} {real[design]['unweighted'][law]['final_error']:+.2%} -> {real[design]['weighted'][law]['final_error']:+.2%}"
+                          for law in (*LAWS, "auto")))  # fmt: skip
         row["simulated"] = sims
+        row["noise_weights"] = weights
+        row["real_errors"] = real
         row["seeds_for_target"] = {d: {law: next((s for s in SEEDS if v[str(s)]["final_sd"] <= TARGET_SD), None)
                                        for law, v in by.items()} for d, by in sims.items()}  # fmt: skip
         results[c] = row
@@ -142,13 +180,30 @@ def main() -> None:
         check[law]["ratio"] = check[law]["simulated_rms"] / check[law]["measured_rms"]
         log(f"check, one-seed ladders d24-d48, {law}: measured RMS {check[law]['measured_rms']:.2%}, "
             f"simulated {check[law]['simulated_rms']:.2%} (x{check[law]['ratio']:.2f})")  # fmt: skip
+    weighted = {}  # over the corpora, per design and law: the noise with two seeds and the real errors, both arms
+    for design in DESIGNS:
+        rows = [r for r in results.values() if design in r["simulated"]]
+        for law in (*LAWS, "auto"):
+            cell = {}
+            for arm in ("unweighted", "weighted"):
+                e = [r["real_errors"][design][arm][law] for r in rows]
+                cell[arm] = {"mean_of_mean_abs_past_20": float(np.mean([x["mean_abs_past_20"] for x in e])),
+                             "mean_abs_final": float(np.mean([abs(x["final_error"]) for x in e]))}  # fmt: skip
+                if law != "auto":
+                    key = "final_sd" if arm == "unweighted" else "weighted_final_sd"
+                    cell[arm]["noise_final_sd_2_seeds"] = float(
+                        np.mean([r["simulated"][design][law]["2"][key] for r in rows])
+                    )
+            weighted.setdefault(design, {})[law] = cell
+            log(f"{design} {law:11s} " + "; ".join(f"{arm}: " + ", ".join(f"{k} {v:.2%}" for k, v in cell[arm].items())
+                                                     for arm in cell))  # fmt: skip
     scaling = {law: float(np.mean([results[c]["simulated"]["d24-d48"][law]["8"]["final_sd"]
                                    / results[c]["simulated"]["d24-d48"][law]["2"]["final_sd"] for c in results]))
                for law in LAWS}  # fmt: skip
     out = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "command": "python benchmarks/calib_train.py --no-stability && python benchmarks/forecast_seeds.py",
            "seconds": round(time.time() - t0), "target": TARGET, "draws": args.draws, "target_sd": TARGET_SD,
-           "check_one_seed": check, "sd_ratio_8_to_2_seeds": scaling, "results": results}  # fmt: skip
+           "check_one_seed": check, "sd_ratio_8_to_2_seeds": scaling, "noise_weighted": weighted, "results": results}  # fmt: skip
     path = RESULTS / "forecast_seeds.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     log(f"-> {path}")
