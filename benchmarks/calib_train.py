@@ -59,7 +59,6 @@ def jobs(corpus: str, stability: bool, extra_targets: tuple[int, ...] = ()) -> l
 
 def main() -> None:
     from dev_corpora import CORPORA, available
-    from moelab.train.loop import train
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "calib"))
@@ -79,9 +78,17 @@ def main() -> None:
     if not args.no_stability and "stdlib" in args.corpora:
         base = {name for _, name, _ in todo}
         todo += [("stdlib", name, cfg) for name, cfg in jobs("stdlib", True) if name not in base]
+    run_jobs(todo, Path(args.out))
+
+
+def run_jobs(todo: list[tuple[str, str, object]], root: Path) -> None:
+    """Train (corpus, name, config) jobs in order into root/CORPUS/NAME: a complete run is reused, a killed
+    one resumes from its last checkpoint, and a corpus whose run fails is skipped for the rest."""
+    from moelab.train.loop import train
+
     failed = set()
     for i, (corpus, name, cfg) in enumerate(todo):
-        out = Path(args.out) / corpus / name
+        out = root / corpus / name
         if (out / "summary.json").exists() or corpus in failed:
             continue
         t0 = time.time()

@@ -111,6 +111,12 @@ def main() -> None:
     if args.draws < 2:
         print(f"--draws: {args.draws}; an sd needs at least 2 ladders", file=sys.stderr)
         sys.exit(2)
+    if not Path(args.calib).is_dir():
+        print(
+            f"--calib: {args.calib} is not a directory of calibration runs; train them: python benchmarks/calib_train.py --no-stability",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     t0 = time.time()
 
     def log(text):

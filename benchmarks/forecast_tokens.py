@@ -69,8 +69,8 @@ def jobs(corpus: str, seed: int) -> list[tuple[str, object]]:
 
 def train_all(out_root: Path, corpora: list[str]) -> None:
     """Seed 0 on every corpus first, then seed 1: a job cut short still leaves one whole ladder each."""
+    from calib_train import run_jobs
     from dev_corpora import available
-    from moelab.train.loop import train
 
     todo = []
     for seed in SEEDS:
@@ -81,21 +81,7 @@ def train_all(out_root: Path, corpora: list[str]) -> None:
                     print(f"skipped: {why}", flush=True)
                 continue
             todo += [(corpus, name, cfg) for name, cfg in jobs(corpus, seed)]
-    failed = set()
-    for i, (corpus, name, cfg) in enumerate(todo):
-        out = out_root / corpus / name
-        if (out / "summary.json").exists() or corpus in failed:
-            continue
-        t0 = time.time()
-        print(f"[{i + 1}/{len(todo)}] {corpus}/{name}: {cfg.train.steps} steps", flush=True)
-        try:
-            train(cfg, out, resume=True, progress=False)
-        except Exception as exc:  # a corpus that cannot be read stops that corpus, not the others
-            print(f"[{i + 1}/{len(todo)}] {corpus}/{name}: FAILED ({type(exc).__name__}: {exc}); the rest of {corpus} skipped",
-                  flush=True)  # fmt: skip
-            failed.add(corpus)
-            continue
-        print(f"[{i + 1}/{len(todo)}] {corpus}/{name}: {time.time() - t0:.0f} s", flush=True)
+    run_jobs(todo, out_root)
 
 
 # ---- the analysis ---------------------------------------------------------------------------------
@@ -341,6 +327,12 @@ def main() -> None:
     if args.train:
         train_all(Path(args.out), args.corpora)
         return
+    if not Path(args.calib).is_dir():
+        print(
+            f"--calib: {args.calib} is not a directory of calibration runs; train them: python benchmarks/calib_train.py --no-stability",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     out = analyse(Path(args.calib), Path(args.out), args.corpora)
     if not out["results"]:
         print(f"{args.out}: no corpus has its runs and target; train them first (--train)", file=sys.stderr)
