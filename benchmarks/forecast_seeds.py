@@ -212,7 +212,39 @@ def main() -> None:
            "check_one_seed": check, "sd_ratio_8_to_2_seeds": scaling, "noise_weighted": weighted, "results": results}  # fmt: skip
     path = RESULTS / "forecast_seeds.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
-    log(f"-> {path}")
+    figure(out, RESULTS / "forecast_seeds.svg")
+    log(f"-> {path}, {RESULTS / 'forecast_seeds.svg'}")
+
+
+def figure(out: dict, path: Path) -> None:
+    """The final forecast's noise sd against seeds a width, per corpus (Marin's law), for both designs,
+    beside the 0.5% stability target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, len(DESIGNS), figsize=(5.0 * len(DESIGNS), 3.6), sharey=True, squeeze=False)
+    for ax, design in zip(axes[0], DESIGNS, strict=True):
+        for i, (c, r) in enumerate(out["results"].items()):
+            if design not in r["simulated"]:
+                continue
+            sd = [100 * r["simulated"][design]["marin"][str(s)]["final_sd"] for s in SEEDS]
+            ax.plot(SEEDS, sd, "o-", color=f"C{i}", label=c)
+        ax.axhline(100 * out["target_sd"], color="k", ls="--", lw=0.8, label="target 0.5%")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(SEEDS, [str(s) for s in SEEDS])
+        ax.set_title(f"{design}, Marin's law", fontsize=9)
+        ax.set_xlabel("seeds a width")
+        ax.grid(alpha=0.3, which="both")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[0][0].set_ylabel(f"noise sd of the {out['target']} final forecast (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":
